@@ -1,0 +1,77 @@
+// Options of qkv's attention: the module's (SelfAttentionOptions) and the functional core's
+// (ScaledDotProductAttentionOptions), in the shape of LibTorch's own options structs.
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <ostream>
+
+namespace qkv {
+
+/// Which implementation computes softmax(QKᵀ·scale)·V.
+enum class AttentionBackend {
+  /// Fused when it is available and no weights are requested, math otherwise.
+  Auto,
+  /// The documents' four steps written out with tensor ops; always available, can return weights.
+  Math,
+  /// `at::scaled_dot_product_attention` (LibTorch >= 2.0): flash / cuDNN / memory-efficient
+  /// kernels on CUDA. Never materialises the (N, S) weights, so it cannot return them.
+  Fused,
+};
+
+const char* to_string(AttentionBackend backend);
+std::ostream& operator<<(std::ostream& stream, AttentionBackend backend);
+
+/// True when this build's LibTorch has `at::scaled_dot_product_attention` (>= 2.0).
+bool fused_backend_available();
+
+/// Options of `qkv::scaled_dot_product_attention`.
+///
+/// Mask polarity, the same everywhere in qkv: a boolean mask is true where a query MAY attend to
+/// a key (as `at::scaled_dot_product_attention`; the opposite of nn.MultiheadAttention's
+/// `key_padding_mask`). A floating mask is added to the scaled scores (0 = attend, -inf = not).
+struct ScaledDotProductAttentionOptions {
+  /// Boolean (true = attend) or floating (added to the scores) mask, broadcastable to the
+  /// scores' shape (..., N, S). Undefined: no mask.
+  TORCH_ARG(torch::Tensor, mask) = {};
+  /// Query i attends only to keys j <= i (top-left aligned when N != S, as PyTorch).
+  TORCH_ARG(bool, causal) = false;
+  /// Multiplier of QKᵀ. Unset: 1/sqrt(d_k), d_k = q.size(-1). 1.0 gives the unscaled variant.
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  /// Dropout probability on the attention weights, applied only when `training` is true.
+  TORCH_ARG(double, dropout) = 0.0;
+  TORCH_ARG(bool, training) = false;
+  /// Return the softmax weights too (forces the math backend).
+  TORCH_ARG(bool, need_weights) = false;
+  TORCH_ARG(AttentionBackend, backend) = AttentionBackend::Auto;
+};
+
+/// Options of `qkv::SelfAttention`. With only `d_model` given it is the documents' module:
+/// three Linear(d_model, d_model) with bias, one head, scale 1/sqrt(d_model), no output map.
+struct SelfAttentionOptions {
+  /* implicit */ SelfAttentionOptions(int64_t d_model) : d_model_(d_model) {}
+
+  /// Width E of the queries and of the module's output.
+  TORCH_ARG(int64_t, d_model);
+  /// Number of heads H; d_model must be divisible by it. Each head has width D = E / H.
+  TORCH_ARG(int64_t, num_heads) = 1;
+  /// Biases in W_q, W_k, W_v (and W_o).
+  TORCH_ARG(bool, bias) = true;
+  /// Causal mask: query i attends only to keys j <= i.
+  TORCH_ARG(bool, causal) = false;
+  /// Dropout probability on the attention weights while training; in [0, 1).
+  TORCH_ARG(double, dropout) = 0.0;
+  /// Multiplier of QKᵀ. Unset: 1/sqrt(D). 1.0 gives the unscaled variant the documents warn about.
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  /// Add an output map W_o: Linear(d_model, d_model) after the heads are joined.
+  TORCH_ARG(bool, out_proj) = false;
+  /// Width of the inputs that feed W_k (cross-attention context). Unset: d_model.
+  TORCH_ARG(c10::optional<int64_t>, kdim) = c10::nullopt;
+  /// Width of the inputs that feed W_v. Unset: d_model.
+  TORCH_ARG(c10::optional<int64_t>, vdim) = c10::nullopt;
+  TORCH_ARG(AttentionBackend, backend) = AttentionBackend::Auto;
+};
+
+}  // namespace qkv

@@ -1,0 +1,8 @@
+// Everything qkv offers: #include <qkv/qkv.h>.
+#pragma once
+
+#include <qkv/functional.h>
+#include <qkv/masks.h>
+#include <qkv/options.h>
+#include <qkv/self_attention.h>
+#include <qkv/version.h>

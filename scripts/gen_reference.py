@@ -1,0 +1,234 @@
+"""Writes the PyTorch reference fixtures that qkv's C++ tests compare against (tests/data/).
+
+Each fixture is one configuration of the attention module: its weights, inputs, masks, target,
+and what PyTorch computes from them: output, attention weights, MSE loss, and the gradient of
+the loss with respect to every parameter and every input. The documents' configuration also
+records a few Adam steps, so the C++ side is checked through training, not only one step.
+
+The reference is written here independently of qkv's C++ code:
+- the documents' configuration uses the documents' own `SelfAttention` class, verbatim;
+- the others use `LoopAttention`, which computes every (batch, head, query) row with its own
+  softmax over the keys it may see, in plain Python loops, so it shares no tensor trick with qkv;
+  it is itself checked against the documents' class and against torch.nn.MultiheadAttention.
+
+Run with the interpreter that has PyTorch:  /usr/bin/python3 scripts/gen_reference.py
+The files are small and committed; the C++ tests never need Python.
+"""
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from seed_example import SelfAttention as DocumentsSelfAttention  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "..", "tests", "data")
+GENERATOR = "scripts/gen_reference.py"
+
+
+class LoopAttention(nn.Module):
+    """The documents' module grown like qkv: heads, masks (true = attend), cross-attention, W_o."""
+
+    def __init__(self, d_model, num_heads=1, kdim=None, vdim=None, bias=True, out_proj=False,
+                 causal=False, scale=None):
+        super().__init__()
+        self.d_model, self.num_heads, self.causal, self.scale = d_model, num_heads, causal, scale
+        self.W_q = nn.Linear(d_model, d_model, bias=bias)
+        self.W_k = nn.Linear(kdim or d_model, d_model, bias=bias)
+        self.W_v = nn.Linear(vdim or d_model, d_model, bias=bias)
+        self.W_o = nn.Linear(d_model, d_model, bias=bias) if out_proj else None
+
+    def forward(self, x, context=None, key_lengths=None, attn_mask=None):
+        """x: (B, N, E); context: (B, S, kdim); key_lengths: (B,); attn_mask: bool (B, N, S) or
+        float (N, S). Returns output (B, N, E) and weights (B, H, N, S)."""
+        context = x if context is None else context
+        B, N, E = x.shape
+        S = context.shape[1]
+        H = self.num_heads
+        D = E // H
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(D)
+        Q, K, V = self.W_q(x), self.W_k(context), self.W_v(context)
+        rows_out = []
+        weights = torch.zeros(B, H, N, S, dtype=x.dtype)
+        for b in range(B):
+            heads_out = []
+            for h in range(H):
+                cols = slice(h * D, (h + 1) * D)
+                query_rows = []
+                for i in range(N):
+                    allowed, extra = [], []
+                    for j in range(S):
+                        ok = True
+                        if self.causal and j > i:
+                            ok = False
+                        if key_lengths is not None and j >= int(key_lengths[b]):
+                            ok = False
+                        bias_ij = 0.0
+                        if attn_mask is not None:
+                            if attn_mask.dtype == torch.bool:
+                                ok = ok and bool(attn_mask[b, i, j])
+                            else:
+                                bias_ij = attn_mask[i, j]
+                                ok = ok and not math.isinf(float(bias_ij))
+                        if ok:
+                            allowed.append(j)
+                            extra.append(bias_ij)
+                    if not allowed:  # no key to attend to: zero output by qkv's definition
+                        query_rows.append(torch.zeros(D, dtype=x.dtype))
+                        continue
+                    q = Q[b, i, cols]
+                    scores = torch.stack([(q * K[b, j, cols]).sum() * scale + e for j, e in zip(allowed, extra)])
+                    w = torch.softmax(scores, dim=0)
+                    for w_j, j in zip(w, allowed):
+                        weights[b, h, i, j] = w_j.detach()
+                    query_rows.append(sum(w_j * V[b, j, cols] for w_j, j in zip(w, allowed)))
+                heads_out.append(torch.stack(query_rows))  # (N, D)
+            rows_out.append(torch.cat(heads_out, dim=-1))  # (N, E)
+        out = torch.stack(rows_out)
+        if self.W_o is not None:
+            out = self.W_o(out)
+        return out, weights
+
+
+def record(case, module, inputs, config, out, weights, target, extra=None):
+    loss = F.mse_loss(out, target)
+    loss.backward()
+    fixture = {"generated_by": GENERATOR, "torch_version": str(torch.__version__), "case": case}
+    fixture.update({"config." + k: v for k, v in config.items()})
+    for name, p in module.named_parameters():
+        fixture["param." + name] = p.detach().clone()
+        fixture["grad." + name] = p.grad.detach().clone()
+    for name, t in inputs.items():
+        fixture["input." + name] = t.detach().clone()
+        if t.is_floating_point() and t.grad is not None:
+            fixture["grad." + name] = t.grad.detach().clone()
+    fixture["target"] = target
+    fixture["expected.output"] = out.detach().clone()
+    if weights is not None:
+        fixture["expected.weights"] = weights
+    fixture["expected.loss"] = loss.detach().clone()
+    fixture.update(extra or {})
+    path = os.path.join(DATA, "parity_%s.pt" % case)
+    torch.save(fixture, path)  # a plain dict: LibTorch's pickle_load reads it
+    print("wrote %s (loss %.6f)" % (os.path.relpath(path), loss.item()))
+
+
+def documents_case():
+    """The documents' complete example, then three Adam steps on the same batch."""
+    torch.manual_seed(42)
+    x = torch.randn(4, 8)
+    attn = DocumentsSelfAttention(d_model=8)
+    initial = {k: v.detach().clone() for k, v in attn.state_dict().items()}
+    x.requires_grad_(True)
+    out = attn(x)
+    target = torch.randn_like(out)
+    Q, K = attn.W_q(x), attn.W_k(x)
+    weights = F.softmax(Q @ K.T / math.sqrt(8), dim=-1).detach().unsqueeze(0)  # (H=1, N, S)
+    # Adam steps from the same initial weights, on a copy, for the training-parity test.
+    trained = DocumentsSelfAttention(d_model=8)
+    trained.load_state_dict(initial)
+    optimizer = torch.optim.Adam(trained.parameters(), lr=0.01)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        step_loss = F.mse_loss(trained(x.detach()), target)
+        step_loss.backward()
+        optimizer.step()
+        losses.append(step_loss.item())
+    config = {"d_model": 8, "num_heads": 1, "batched": False}
+    record("documents", attn, {"query": x}, config, out, weights, target,
+           {"adam.lr": 0.01, "adam.losses": torch.tensor(losses, dtype=torch.float64)})
+    with open(os.path.join(DATA, "seed_example.json"), "w") as f:
+        loss = F.mse_loss(out, target).item()
+        json.dump({"generated_by": GENERATOR, "torch_version": str(torch.__version__),
+                   "script": "scripts/seed_example.py", "input_shape": list(x.shape),
+                   "output_shape": list(out.shape), "loss": loss}, f, indent=2)
+        f.write("\n")
+
+
+def loop_case(case, seed, dtype=torch.float32, B=2, N=5, S=None, d_model=16, num_heads=4, kdim=None,
+              bias=True, out_proj=False, causal=False, scale=None, key_lengths=None, mask=None):
+    torch.manual_seed(seed)
+    module = LoopAttention(d_model, num_heads, kdim=kdim, vdim=kdim, bias=bias, out_proj=out_proj,
+                           causal=causal, scale=scale).to(dtype)
+    x = torch.randn(B, N, d_model, dtype=dtype, requires_grad=True)
+    inputs = {"query": x}
+    context = None
+    if S is not None:
+        context = torch.randn(B, S, kdim or d_model, dtype=dtype, requires_grad=True)
+        inputs["context"] = context
+    S_eff = S if S is not None else N
+    lengths = torch.tensor(key_lengths, dtype=torch.int64) if key_lengths is not None else None
+    if lengths is not None:
+        inputs["key_lengths"] = lengths
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.rand(B, N, S_eff) > 0.4
+        attn_mask[0, 1, :] = False  # one query with no key at all
+        inputs["attn_mask"] = attn_mask
+    elif mask == "float":
+        attn_mask = torch.randn(N, S_eff, dtype=dtype)
+        attn_mask[:, 0] = float("-inf")
+        inputs["attn_mask"] = attn_mask
+    out, weights = module(x, context, key_lengths=lengths, attn_mask=attn_mask)
+    target = torch.randn_like(out)
+    config = {"d_model": d_model, "num_heads": num_heads, "bias": bias, "out_proj": out_proj,
+              "causal": causal, "batched": True}
+    if kdim is not None:
+        config["kdim"] = kdim
+        config["vdim"] = kdim
+    if scale is not None:
+        config["scale"] = scale
+    record(case, module, inputs, config, out, weights, target)
+    return module, x, out
+
+
+def check_loop_reference():
+    """LoopAttention must agree with the documents' class and with nn.MultiheadAttention."""
+    torch.manual_seed(0)
+    docs = DocumentsSelfAttention(8)
+    loop = LoopAttention(8)
+    loop.load_state_dict(docs.state_dict())
+    x = torch.randn(5, 8)
+    assert torch.allclose(docs(x), loop(x.unsqueeze(0))[0][0], atol=1e-6), "LoopAttention != documents"
+
+    loop = LoopAttention(16, 4, out_proj=True, causal=True)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat([loop.W_q.weight, loop.W_k.weight, loop.W_v.weight]))
+        mha.in_proj_bias.copy_(torch.cat([loop.W_q.bias, loop.W_k.bias, loop.W_v.bias]))
+        mha.out_proj.weight.copy_(loop.W_o.weight)
+        mha.out_proj.bias.copy_(loop.W_o.bias)
+    x = torch.randn(2, 6, 16)
+    causal = torch.triu(torch.full((6, 6), float("-inf")), diagonal=1)
+    expected, expected_w = mha(x, x, x, attn_mask=causal, average_attn_weights=False)
+    got, got_w = loop(x)
+    assert torch.allclose(expected, got, atol=1e-5), "LoopAttention != nn.MultiheadAttention"
+    assert torch.allclose(expected_w, got_w, atol=1e-6), "LoopAttention weights != nn.MultiheadAttention"
+    print("LoopAttention agrees with the documents' class and nn.MultiheadAttention")
+
+
+def main():
+    os.makedirs(DATA, exist_ok=True)
+    check_loop_reference()
+    documents_case()
+    loop_case("multihead", seed=1)
+    loop_case("multihead_f64", seed=1, dtype=torch.float64)
+    loop_case("causal", seed=2, B=2, N=6, d_model=12, num_heads=3, causal=True)
+    loop_case("padded", seed=3, B=3, N=5, d_model=12, num_heads=2, key_lengths=[5, 2, 0])
+    loop_case("cross", seed=4, B=2, N=3, S=7, d_model=16, num_heads=4, kdim=10)
+    loop_case("out_proj", seed=5, out_proj=True)
+    loop_case("bool_mask", seed=6, B=2, N=4, d_model=8, num_heads=2, mask="bool")
+    loop_case("float_mask", seed=7, B=2, N=4, d_model=8, num_heads=2, mask="float")
+    loop_case("unscaled", seed=8, d_model=16, num_heads=2, scale=1.0)
+    loop_case("no_bias_causal_f64", seed=9, dtype=torch.float64, B=2, N=4, S=6, d_model=8, num_heads=2,
+              bias=False, causal=True)
+
+
+if __name__ == "__main__":
+    main()

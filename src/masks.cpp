@@ -1,0 +1,107 @@
+// Building and checking SelfAttention's masks (polarity: true = may attend; see masks.h).
+#include <qkv/masks.h>
+
+#include <torch/torch.h>
+
+#include <limits>
+
+namespace qkv {
+
+torch::Tensor key_mask_from_lengths(const torch::Tensor& lengths, int64_t max_len) {
+  TORCH_CHECK(lengths.defined() && lengths.dim() == 1 && !lengths.is_floating_point() &&
+                  lengths.scalar_type() != torch::kBool,
+              "key_mask_from_lengths: expected integer lengths of shape (B,), got ",
+              lengths.defined() ? c10::toString(lengths.scalar_type()) : "undefined", " ",
+              lengths.defined() ? lengths.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(max_len >= 0, "key_mask_from_lengths: expected max_len >= 0, got ", max_len);
+  auto positions = torch::arange(max_len, lengths.options().dtype(torch::kLong));  // (S,)
+  return positions.unsqueeze(0) < lengths.to(torch::kLong).unsqueeze(1);           // (B, S)
+}
+
+torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::Device& device) {
+  auto options = torch::TensorOptions().dtype(torch::kLong).device(device);
+  auto query_positions = torch::arange(num_queries, options).unsqueeze(1);  // (N, 1)
+  auto key_positions = torch::arange(num_keys, options).unsqueeze(0);       // (1, S)
+  return key_positions <= query_positions;                                  // (N, S)
+}
+
+namespace detail {
+
+torch::Tensor merge_attention_mask(const AttentionMask& mask, bool batched, int64_t batch, int64_t heads,
+                                   int64_t num_queries, int64_t num_keys, torch::ScalarType dtype,
+                                   const torch::Device& device) {
+  // Unbatched input is handled as a batch of one; its masks are given without the B dimension.
+  const char* batch_dim = batched ? "B, " : "";
+  torch::Tensor keys;  // bool (B, 1, 1, S): false for padding keys
+
+  if (mask.key_lengths.defined()) {
+    const auto& lengths = mask.key_lengths;
+    const bool shape_ok = batched ? (lengths.dim() == 1 && lengths.size(0) == batch) : lengths.numel() == 1;
+    TORCH_CHECK(shape_ok, "SelfAttention: expected key_lengths of shape ", batched ? "(B,) = (" : "() = (",
+                batched ? std::to_string(batch) : std::string(), batched ? ",)" : ")", ", got ", lengths.sizes());
+    TORCH_CHECK(!lengths.is_floating_point() && lengths.scalar_type() != torch::kBool,
+                "SelfAttention: expected integer key_lengths, got ", lengths.scalar_type());
+    TORCH_CHECK(lengths.device() == device, "SelfAttention: expected key_lengths on ", device, ", got ",
+                lengths.device());
+    if (lengths.numel() > 0) {
+      const auto shortest = lengths.min().item<int64_t>();
+      const auto longest = lengths.max().item<int64_t>();
+      TORCH_CHECK(shortest >= 0 && longest <= num_keys, "SelfAttention: expected key_lengths in [0, S] = [0, ",
+                  num_keys, "], got values from ", shortest, " to ", longest);
+    }
+    keys = key_mask_from_lengths(lengths.reshape({-1}), num_keys);  // (B, S)
+  }
+  if (mask.key_mask.defined()) {
+    const auto& key_mask = mask.key_mask;
+    const bool shape_ok = batched ? (key_mask.dim() == 2 && key_mask.size(0) == batch && key_mask.size(1) == num_keys)
+                                  : (key_mask.dim() == 1 && key_mask.size(0) == num_keys);
+    TORCH_CHECK(shape_ok, "SelfAttention: expected key_mask of shape (", batch_dim, "S) with ",
+                batched ? "B = " + std::to_string(batch) + ", " : std::string(), "S = ", num_keys, ", got ",
+                key_mask.sizes());
+    TORCH_CHECK(key_mask.scalar_type() == torch::kBool,
+                "SelfAttention: expected a bool key_mask (true = real key, false = padding), got ",
+                key_mask.scalar_type());
+    TORCH_CHECK(key_mask.device() == device, "SelfAttention: expected key_mask on ", device, ", got ",
+                key_mask.device());
+    auto as_batch = key_mask.reshape({-1, num_keys});  // (B, S)
+    keys = keys.defined() ? keys.logical_and(as_batch) : as_batch;
+  }
+  if (keys.defined()) keys = keys.view({-1, 1, 1, num_keys});  // (B, 1, 1, S)
+
+  torch::Tensor pairs;  // (B|1, H|1, N, S)
+  if (mask.attn_mask.defined()) {
+    const auto& attn_mask = mask.attn_mask;
+    const auto sizes = attn_mask.sizes();
+    const auto dims = attn_mask.dim();
+    const bool pair_dims_ok = dims >= 2 && sizes[dims - 2] == num_queries && sizes[dims - 1] == num_keys;
+    bool shape_ok = pair_dims_ok && dims <= 4;
+    if (shape_ok && batched && dims == 3) shape_ok = sizes[0] == batch;
+    if (shape_ok && !batched && dims == 3) shape_ok = sizes[0] == heads;
+    if (shape_ok && dims == 4) shape_ok = batched && sizes[0] == batch && sizes[1] == heads;
+    TORCH_CHECK(shape_ok, "SelfAttention: expected attn_mask of shape (N, S), ",
+                batched ? "(B, N, S) or (B, H, N, S)" : "or (H, N, S)", " with ",
+                batched ? "B = " + std::to_string(batch) + ", " : std::string(), "H = ", heads, ", N = ", num_queries,
+                ", S = ", num_keys, ", got ", sizes);
+    TORCH_CHECK(attn_mask.scalar_type() == torch::kBool || attn_mask.is_floating_point(),
+                "SelfAttention: expected a bool attn_mask (true = attend) or a floating one (added to the scores), "
+                "got ", attn_mask.scalar_type());
+    TORCH_CHECK(attn_mask.device() == device, "SelfAttention: expected attn_mask on ", device, ", got ",
+                attn_mask.device());
+    if (dims == 2) {
+      pairs = attn_mask.view({1, 1, num_queries, num_keys});
+    } else if (dims == 3) {
+      pairs = batched ? attn_mask.unsqueeze(1) : attn_mask.unsqueeze(0);
+    } else {
+      pairs = attn_mask;
+    }
+    if (pairs.is_floating_point()) pairs = pairs.to(dtype);
+  }
+
+  if (!pairs.defined()) return keys;
+  if (!keys.defined()) return pairs;
+  if (pairs.scalar_type() == torch::kBool) return pairs.logical_and(keys);
+  return pairs.masked_fill(keys.logical_not(), -std::numeric_limits<double>::infinity());
+}
+
+}  // namespace detail
+}  // namespace qkv
