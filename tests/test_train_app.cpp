@@ -5,7 +5,11 @@
 #include <gmock/gmock.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <fstream>
+#include <map>
 
 namespace {
 
@@ -82,6 +86,183 @@ TEST(TrainApp, HelpListsOptionsWithDefaults) {
   EXPECT_EQ(run.exit_code, 0);
   EXPECT_THAT(run.output, HasSubstr("--steps"));
   EXPECT_THAT(run.output, HasSubstr("42"));  // the default seed is shown
+}
+
+}  // namespace
+
+// ---- The learnable tasks: files, determinism, resume, failures. ----
+
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path fresh_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("qkv_train_test_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  return dir;
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+// metrics.csv as rows of cells, header first.
+std::vector<std::vector<std::string>> read_csv(const fs::path& path) {
+  std::vector<std::vector<std::string>> rows;
+  std::ifstream file(path);
+  std::string line;
+  while (std::getline(file, line)) {
+    std::vector<std::string> cells;
+    std::stringstream stream(line);
+    std::string cell;
+    while (std::getline(stream, cell, ',')) cells.push_back(cell);
+    if (!line.empty() && line.back() == ',') cells.emplace_back();
+    rows.push_back(cells);
+  }
+  return rows;
+}
+
+// step -> training loss, from metrics.csv.
+std::map<int64_t, std::string> losses_by_step(const fs::path& metrics) {
+  std::map<int64_t, std::string> losses;
+  auto rows = read_csv(metrics);
+  for (size_t i = 1; i < rows.size(); ++i) {
+    if (!rows[i][1].empty()) losses[std::stoll(rows[i][0])] = rows[i][1];
+  }
+  return losses;
+}
+
+bool is_png(const fs::path& path) {
+  const auto bytes = read_file(path);
+  return bytes.size() > 1000 && bytes.compare(0, 8, "\x89PNG\r\n\x1a\n") == 0;
+}
+
+const std::string kSmallReverse = "--task reverse --device cpu --seq-len 6 --d-model 16 --batch 8 --quiet ";
+
+TEST(TrainTasks, WritesMetricsSummaryPicturesAndCheckpoint) {
+  const auto out = fresh_dir("files");
+  auto run = train(kSmallReverse + "--steps 40 --log-every 10 --eval-every 20 --json --out " + out.string());
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto rows = read_csv(out / "metrics.csv");
+  ASSERT_EQ(rows.size(), 1u + 1u + 4u) << "header, the evaluation before training, steps 10..40";
+  EXPECT_EQ(rows[0], (std::vector<std::string>{"step", "loss", "eval_loss", "eval_answer_weight", "attn_max_weight",
+                                               "attn_entropy", "grad_norm", "grad_norm_qk", "lr", "tokens_per_s",
+                                               "elapsed_s"}));
+  for (size_t i = 1; i < rows.size(); ++i) EXPECT_EQ(rows[i].size(), rows[0].size()) << "row " << i;
+  EXPECT_EQ(rows[1][0], "0");
+  EXPECT_EQ(rows[3][0], "20");
+  EXPECT_FALSE(rows[3][2].empty()) << "step 20 is an evaluation step";
+  EXPECT_TRUE(rows[2][2].empty()) << "step 10 is not";
+
+  const auto summary = nlohmann::json::parse(read_file(out / "summary.json"));
+  EXPECT_EQ(summary, nlohmann::json::parse(run.output)) << "--json prints the summary";
+  for (const char* key : {"task", "options", "device", "dtype", "torch_version", "backend", "initial_loss",
+                          "final_loss", "eval", "wall_time_s"}) {
+    EXPECT_TRUE(summary.contains(key)) << key;
+  }
+  EXPECT_TRUE(summary["eval"].contains("mirror_weight"));
+  EXPECT_TRUE(is_png(out / "loss.png"));
+  EXPECT_TRUE(is_png(out / "attention.png"));
+  EXPECT_TRUE(fs::exists(out / "checkpoint.pt"));
+  EXPECT_FALSE(fs::exists(out / "checkpoint.pt.tmp"));
+  fs::remove_all(out);
+}
+
+TEST(TrainTasks, SameSeedSameRun) {
+  const auto a = fresh_dir("det_a"), b = fresh_dir("det_b");
+  for (const auto& out : {a, b}) {
+    auto run = train(kSmallReverse + "--steps 30 --log-every 1 --out " + out.string());
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+  }
+  EXPECT_EQ(losses_by_step(a / "metrics.csv"), losses_by_step(b / "metrics.csv"));
+  auto other = fresh_dir("det_c");
+  ASSERT_EQ(train(kSmallReverse + "--steps 30 --log-every 1 --seed 7 --out " + other.string()).exit_code, 0);
+  EXPECT_NE(losses_by_step(a / "metrics.csv"), losses_by_step(other / "metrics.csv"));
+  for (const auto& out : {a, b, other}) fs::remove_all(out);
+}
+
+TEST(TrainTasks, ResumedRunEqualsUninterruptedRunStepForStep) {
+  const auto whole = fresh_dir("whole"), split = fresh_dir("split");
+  ASSERT_EQ(train(kSmallReverse + "--steps 40 --log-every 1 --out " + whole.string()).exit_code, 0);
+  ASSERT_EQ(train(kSmallReverse + "--steps 20 --log-every 1 --out " + split.string()).exit_code, 0);
+  auto resumed = train("--resume " + split.string() + " --steps 40 --log-every 1 --quiet");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto expected = losses_by_step(whole / "metrics.csv");
+  const auto got = losses_by_step(split / "metrics.csv");
+  ASSERT_EQ(expected.size(), 40u);
+  EXPECT_EQ(got, expected);
+  fs::remove_all(whole), fs::remove_all(split);
+}
+
+TEST(TrainTasks, IncompatibleResumeIsRefusedNamingTheOption) {
+  const auto out = fresh_dir("refuse");
+  ASSERT_EQ(train(kSmallReverse + "--steps 5 --out " + out.string()).exit_code, 0);
+  auto run = train("--resume " + out.string() + " --d-model 32 --steps 10", /*merge_stderr=*/true);
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("--d-model 16"));
+  EXPECT_THAT(run.output, HasSubstr("asks for 32"));
+  auto missing = train("--resume " + (out / "nowhere").string(), /*merge_stderr=*/true);
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  fs::remove(out / "checkpoint.pt");
+  auto no_checkpoint = train("--resume " + out.string(), /*merge_stderr=*/true);
+  EXPECT_EQ(no_checkpoint.exit_code, 1) << no_checkpoint.output;
+  EXPECT_THAT(no_checkpoint.output, HasSubstr("no checkpoint at"));
+  fs::remove_all(out);
+}
+
+TEST(TrainTasks, DivergingLossStopsWithStepAndHint) {
+  auto run = train(kSmallReverse + "--optimizer sgd --lr 1e12 --steps 50", /*merge_stderr=*/true);
+  EXPECT_EQ(run.exit_code, 1) << run.output;
+  EXPECT_THAT(run.output, ::testing::ContainsRegex("step [0-9]+: the loss is (nan|inf)"));
+  EXPECT_THAT(run.output, HasSubstr("lower --lr"));
+}
+
+TEST(TrainTasks, SigtermWritesACheckpointAndExits143) {
+  const auto out = fresh_dir("sigterm");
+  const std::string command = std::string(QKV_TRAIN_PATH) + " " + kSmallReverse + "--steps 100000000 --out " +
+                              out.string() + " & pid=$!; sleep 2; kill -TERM $pid; wait $pid; echo exit=$?";
+  auto run = qkv_test::run_command(command);
+  EXPECT_THAT(run.output, HasSubstr("exit=143"));
+  EXPECT_TRUE(fs::exists(out / "checkpoint.pt"));
+  EXPECT_TRUE(fs::exists(out / "summary.json"));
+  // The checkpoint resumes.
+  auto resumed = train("--resume " + out.string() + " --steps 1", /*merge_stderr=*/true);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  fs::remove_all(out);
+}
+
+TEST(TrainTasks, BadTaskOptionsExitWith2) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--task reverse --d-model 8 --seq-len 8", "--d-model > --seq-len"},
+      {"--task reverse --d-model 30 --heads 4", "not divisible by --heads"},
+      {"--task lookup --seq-len 1", "--seq-len >= 2"},
+      {"--task seed --checkpoint-every 5", "--task seed"},
+      {"--dtype float16", "--dtype"},
+      {"--optimizer rmsprop", "--optimizer"},
+      {"--scale -1", "--scale"},
+      {"--lr 0 --task reverse", "--lr"},
+  };
+  for (const auto& [arguments, message] : cases) {
+    auto run = train(arguments, /*merge_stderr=*/true);
+    EXPECT_EQ(run.exit_code, 2) << arguments << ": " << run.output;
+    EXPECT_THAT(run.output, HasSubstr(message)) << arguments;
+    EXPECT_EQ(std::count(run.output.begin(), run.output.end(), '\n'), 1) << arguments << ": " << run.output;
+  }
+}
+
+// The demo's promise: with their defaults, both tasks learn to attend to the right key.
+TEST(TrainTasks, DefaultRunsLearnTheirAttentionPattern) {
+  for (const std::string task : {"reverse", "lookup"}) {
+    auto run = train("--task " + task + " --device cpu --json --quiet");
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    const auto summary = nlohmann::json::parse(run.output);
+    const auto metric = task == "reverse" ? "mirror_weight" : "match_weight";
+    EXPECT_GE(summary["eval"][metric].get<double>(), 0.9) << task;
+    EXPECT_LT(summary["final_loss"].get<double>(), 0.1 * summary["initial_loss"].get<double>()) << task;
+  }
 }
 
 }  // namespace

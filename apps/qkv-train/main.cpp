@@ -1,7 +1,10 @@
-// qkv-train: trains qkv::SelfAttention on toy tasks. Exit status: 0 done, 1 runtime failure,
-// 2 bad command line.
+// qkv-train: trains qkv::SelfAttention on toy tasks and shows what attention learned.
+// Exit status: 0 done, 1 runtime failure, 2 bad command line, 130 / 143 stopped by SIGINT / SIGTERM.
+#include "checkpoint.h"
 #include "run_config.h"
 #include "seed_task.h"
+#include "tasks.h"
+#include "trainer.h"
 
 #include <qkv/qkv.h>
 
@@ -12,41 +15,121 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 
-namespace qkv_train {
+namespace {
 
-torch::Device resolve_device(const std::string& name) {
-  if (name == "cpu") return torch::kCPU;
-  const bool has_cuda = torch::cuda::is_available();
-  if (name == "cuda" && !has_cuda) {
-    throw std::runtime_error(std::string("--device cuda: no CUDA device is available to this LibTorch (") +
-                             TORCH_VERSION + "); use --device cpu or auto");
-  }
-  return has_cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+// Bad command lines: one line on stderr, exit status 2.
+int usage_error(const std::string& message) {
+  std::string line = message;
+  std::replace(line.begin(), line.end(), '\n', ' ');
+  std::fprintf(stderr, "qkv-train: error: %s (see --help)\n", line.c_str());
+  return 2;
 }
 
-}  // namespace qkv_train
+// With --resume, options the command line leaves out come from the checkpoint. Options it sets
+// must agree with the checkpoint's where they define the model; others (batch, lr, seed, steps)
+// may change, with a warning where the run then differs from one that never stopped.
+// Returns a problem, or "".
+std::string merge_resumed_options(const CLI::App& app, qkv_train::RunConfig& config) {
+  const auto saved = qkv_train::read_checkpoint_state(config.resume_dir).options;
+  const auto current = qkv_train::to_json(config);
+  const std::pair<const char*, const char*> model_flags[] = {
+      {"task", "--task"},   {"d_model", "--d-model"}, {"heads", "--heads"},         {"seq_len", "--seq-len"},
+      {"causal", "--causal"}, {"dtype", "--dtype"},   {"optimizer", "--optimizer"}, {"scale", "--scale"}};
+  for (const auto& [key, flag] : model_flags) {
+    if (app.count(flag) > 0 && current.at(key) != saved.at(key)) {
+      return std::string("--resume: the checkpoint in ") + config.resume_dir + " was trained with " + flag + " " +
+             saved.at(key).dump() + ", the command line asks for " + current.at(key).dump();
+    }
+  }
+  const std::pair<const char*, const char*> run_flags[] = {{"batch", "--batch"}, {"lr", "--lr"}, {"seed", "--seed"}};
+  for (const auto& [key, flag] : run_flags) {
+    if (app.count(flag) > 0 && current.at(key) != saved.at(key)) {
+      spdlog::warn("--resume with {} {} (the checkpoint's run used {}): the losses will differ from an uninterrupted "
+                   "run", flag, current.at(key).dump(), saved.at(key).dump());
+    }
+  }
+  auto take = [&](const char* key, const char* flag, auto& field) {
+    if (app.count(flag) == 0) field = saved.at(key).get<std::decay_t<decltype(field)>>();
+  };
+  take("task", "--task", config.task);
+  take("d_model", "--d-model", config.d_model);
+  take("heads", "--heads", config.heads);
+  take("seq_len", "--seq-len", config.seq_len);
+  take("causal", "--causal", config.causal);
+  take("dtype", "--dtype", config.dtype_name);
+  take("optimizer", "--optimizer", config.optimizer);
+  take("batch", "--batch", config.batch);
+  take("lr", "--lr", config.lr);
+  take("seed", "--seed", config.seed);
+  take("steps", "--steps", config.steps);
+  take("log_every", "--log-every", config.log_every);
+  take("eval_every", "--eval-every", config.eval_every);
+  take("checkpoint_every", "--checkpoint-every", config.checkpoint_every);
+  if (app.count("--scale") == 0) {
+    config.scale = saved.at("scale").is_null() ? std::nullopt : std::optional<double>(saved.at("scale").get<double>());
+  }
+  return "";
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   qkv_train::RunConfig config;
   std::string log_level = "info";
+  double scale = 0.0;
 
-  CLI::App app{"qkv-train: train qkv::SelfAttention on toy tasks (qkv " QKV_VERSION_STRING ")", "qkv-train"};
+  CLI::App app{"qkv-train: train qkv::SelfAttention on toy tasks and watch attention learn (qkv " QKV_VERSION_STRING
+               ").\nTasks: seed = the documents' example; reverse = output position i copies input position "
+               "N-1-i; lookup = recall the value stored under a query key.",
+               "qkv-train"};
   app.option_defaults()->always_capture_default();
-  app.add_option("--task", config.task, "Task to train")->check(CLI::IsMember({"seed"}));
-  app.add_option("--device", config.device_name, "Device: auto picks CUDA when present")
+  const char* task_default = " (by task: seed / reverse / lookup = ";
+  app.add_option("--task", config.task, "Task")->check(CLI::IsMember({"seed", "reverse", "lookup"}));
+  app.add_option("--device", config.device_name, "Device; auto picks CUDA when present")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--d-model", config.d_model, "Model width d_model")->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
-  app.add_option("--seq-len", config.seq_len, "Sequence length N")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  app.add_option("--steps", config.steps, "Training steps (1 = the documents' single backward pass)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
-  app.add_option("--lr", config.lr, "Adam learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--dtype", config.dtype_name, "Parameter and input dtype")
+      ->check(CLI::IsMember({"float32", "float64", "bfloat16"}));
+  app.add_option("--d-model", config.d_model, std::string("Model width E") + task_default + "8 / 48 / 33)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
+      ->default_str("by task");
+  app.add_option("--heads", config.heads, "Attention heads H (d_model must be divisible by it)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 12));
+  app.add_option("--seq-len", config.seq_len, std::string("Sequence length N") + task_default + "4 / 16 / 17)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->default_str("by task");
+  app.add_option("--batch", config.batch, std::string("Batch size B") + task_default + "1 / 64 / 64)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->default_str("by task");
+  app.add_option("--steps", config.steps, std::string("Training steps") + task_default + "1 / 800 / 2000)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->default_str("by task");
+  app.add_option("--lr", config.lr, std::string("Learning rate") + task_default + "0.01 / 0.01 / 0.003)")
+      ->check(CLI::PositiveNumber)
+      ->default_str("by task");
+  app.add_option("--optimizer", config.optimizer, "Optimizer")->check(CLI::IsMember({"adam", "sgd"}));
   app.add_option("--seed", config.seed, "Random seed (42 = the documents' example)");
-  app.add_option("--threads", config.threads, "CPU threads for LibTorch (0 = its default)")
-      ->check(CLI::Range(0, 1024));
-  app.add_flag("--json", config.json, "Print one JSON summary on stdout instead of text");
+  app.add_option("--threads", config.threads, "CPU threads for LibTorch (0 = its default)")->check(CLI::Range(0, 1024));
+  app.add_flag("--causal", config.causal, "Causal mask: position i attends only to positions <= i");
+  app.add_option("--scale", scale, "Multiplier of QKᵀ (1.0 = unscaled, the documents' warning)")
+      ->check(CLI::PositiveNumber)
+      ->default_str("1/sqrt(d_model/heads)");
+  app.add_option("--log-every", config.log_every, "Log line and metrics.csv row every N steps")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->default_str("by task");
+  app.add_option("--eval-every", config.eval_every, "Evaluate (and draw) every N steps")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->default_str("by task");
+  app.add_option("--out", config.out_dir, "Folder for metrics.csv, summary.json, loss.png, attention.png, checkpoint.pt");
+  app.add_option("--checkpoint-every", config.checkpoint_every, "Write a checkpoint every N steps (0 = only at the end)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--resume", config.resume_dir, "Continue from the checkpoint in this folder")
+      ->check(CLI::ExistingDirectory);
+  app.add_flag("--json", config.json, "Print the summary as one JSON object on stdout");
+  app.add_flag("--quiet", config.quiet, "No progress display");
   app.add_option("--log-level", log_level, "Log level (the SPDLOG_LEVEL environment variable also works)")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
 
@@ -55,31 +138,68 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::string what = e.what();
-    std::replace(what.begin(), what.end(), '\n', ' ');
-    std::fprintf(stderr, "qkv-train: error: %s (see --help)\n", what.c_str());
-    return 2;
+    return usage_error(e.what());
   }
+  if (scale > 0.0) config.scale = scale;
 
   // Logs go to stderr so that stdout carries only the run's results (and --json stays parseable).
   spdlog::set_default_logger(spdlog::stderr_color_mt("qkv-train"));
   spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
   spdlog::set_level(spdlog::level::from_str(log_level));
   spdlog::cfg::load_env_levels();
+  if (config.quiet && app.count("--log-level") == 0) spdlog::set_level(spdlog::level::warn);
+
+  try {
+    if (!config.resume_dir.empty()) {
+      if (const auto problem = merge_resumed_options(app, config); !problem.empty()) return usage_error(problem);
+      if (config.out_dir.empty()) config.out_dir = config.resume_dir;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "qkv-train: %s\n", e.what());
+    return 1;
+  }
+  if (config.task == "seed" && (!config.resume_dir.empty() || config.checkpoint_every > 0)) {
+    return usage_error("--task seed is the documents' single example; --resume and --checkpoint-every need --task "
+                       "reverse or lookup");
+  }
+  qkv_train::apply_task_defaults(config);
+  if (config.task != "seed") {
+    if (const auto problem = qkv_train::task_option_problem(config); !problem.empty()) return usage_error(problem);
+  }
 
   try {
     if (config.threads > 0) torch::set_num_threads(config.threads);
     const auto device = qkv_train::resolve_device(config.device_name);
-    spdlog::debug("task {} on {} (LibTorch {}, {} threads)", config.task, device.str(), TORCH_VERSION,
-                  torch::get_num_threads());
-    nlohmann::json summary = qkv_train::run_seed_task(config, device);
-    if (config.json) std::cout << summary.dump() << std::endl;
+    if (config.device_name == "auto") spdlog::info("--device auto: using {}", device.str());
+    spdlog::debug("LibTorch {}, {} threads", TORCH_VERSION, torch::get_num_threads());
+    if (config.task == "seed") {
+      auto summary = qkv_train::run_seed_task(config, device);
+      if (config.json) std::cout << summary.dump() << std::endl;
+      return 0;
+    }
+    qkv_train::install_stop_handlers();
+    auto result = qkv_train::train(config, device);
+    if (config.json) {
+      std::cout << result.summary.dump() << std::endl;
+    } else {
+      const auto& s = result.summary;
+      std::printf("%s: loss %.5g -> %.5g in %lld steps (%.1f s, %.0f tokens/s on %s)\n", config.task.c_str(),
+                  s["initial_loss"].get<double>(), s["final_loss"].get<double>(),
+                  static_cast<long long>(s["steps"].get<int64_t>()), s["wall_time_s"].get<double>(),
+                  s["tokens_per_s"].get<double>(), s["device"].get<std::string>().c_str());
+      for (const auto& [key, value] : s["eval"].items()) std::printf("  eval %s: %.4f\n", key.c_str(), value.get<double>());
+      if (!config.out_dir.empty()) std::printf("  wrote %s/{metrics.csv,summary.json,loss.png,attention.png,checkpoint.pt}\n", config.out_dir.c_str());
+    }
+    return result.exit_code;
+  } catch (const qkv_train::TrainingDiverged& e) {
+    std::fprintf(stderr, "qkv-train: %s\n", e.what());
+    return 1;
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "qkv-train: %s\n", e.what_without_backtrace());
+    spdlog::debug("{}", e.what());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "qkv-train: %s\n", e.what());
     return 1;
   }
-  return 0;
 }

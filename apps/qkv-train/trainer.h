@@ -1,0 +1,29 @@
+// The training loop of qkv-train's learnable tasks (reverse, lookup): data, optimizer, progress,
+// evaluation, metrics.csv, summary.json, pictures, checkpoints and resume, signals.
+#pragma once
+
+#include "run_config.h"
+
+#include <nlohmann/json.hpp>
+
+#include <stdexcept>
+
+namespace qkv_train {
+
+/// A loss that became NaN or infinite; the message names the step and what to try.
+class TrainingDiverged : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct TrainingResult {
+  nlohmann::json summary;
+  int exit_code = 0;  // 0, or 128 + signal when SIGINT / SIGTERM stopped the run
+};
+
+/// Installs SIGINT / SIGTERM handlers that let the current step finish.
+void install_stop_handlers();
+
+TrainingResult train(const RunConfig& config, const torch::Device& device);
+
+}  // namespace qkv_train
