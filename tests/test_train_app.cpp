@@ -149,8 +149,8 @@ TEST(TrainTasks, WritesMetricsSummaryPicturesAndCheckpoint) {
   const auto rows = read_csv(out / "metrics.csv");
   ASSERT_EQ(rows.size(), 1u + 1u + 4u) << "header, the evaluation before training, steps 10..40";
   EXPECT_EQ(rows[0], (std::vector<std::string>{"step", "loss", "eval_loss", "eval_answer_weight", "attn_max_weight",
-                                               "attn_entropy", "grad_norm", "grad_norm_qk", "lr", "tokens_per_s",
-                                               "elapsed_s"}));
+                                               "attn_entropy", "softmax_jacobian", "grad_norm", "grad_norm_qk", "lr",
+                                               "tokens_per_s", "elapsed_s"}));
   for (size_t i = 1; i < rows.size(); ++i) EXPECT_EQ(rows[i].size(), rows[0].size()) << "row " << i;
   EXPECT_EQ(rows[1][0], "0");
   EXPECT_EQ(rows[3][0], "20");
@@ -263,6 +263,71 @@ TEST(TrainTasks, DefaultRunsLearnTheirAttentionPattern) {
     EXPECT_GE(summary["eval"][metric].get<double>(), 0.9) << task;
     EXPECT_LT(summary["final_loss"].get<double>(), 0.1 * summary["initial_loss"].get<double>()) << task;
   }
+}
+
+}  // namespace
+
+// ---- --task scaling: the documents' argument for sqrt(d_k), measured. ----
+
+namespace {
+
+TEST(ScalingExperiment, FiguresAgreeWithTheDocuments) {
+  const auto out = fresh_dir("scaling");
+  auto run = train("--task scaling --device cpu --log-level warn --out " + out.string());
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+
+  // The documents' small numbers, printed by the run.
+  auto printed = [&](const std::string& prefix) {
+    const auto at = run.output.find(prefix);
+    EXPECT_NE(at, std::string::npos) << prefix;
+    std::vector<double> values;
+    std::stringstream line(run.output.substr(run.output.find('[', at + prefix.size()) + 1));
+    for (double v; values.size() < 3 && line >> v; line.ignore(2)) values.push_back(v);
+    return values;
+  };
+  const auto saturated = printed("softmax([20, 10, 0]) =");
+  const auto mild = printed("softmax([2, 1, 0])   =");
+  ASSERT_EQ(saturated.size(), 3u);
+  ASSERT_EQ(mild.size(), 3u);
+  const double documents_saturated[] = {0.9999, 0.0001, 0.0}, documents_mild[] = {0.67, 0.24, 0.09};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_NEAR(saturated[i], documents_saturated[i], 1e-4) << i;  // the documents print 4 decimals
+    EXPECT_NEAR(mild[i], documents_mild[i], 0.005) << i;          // and here 2
+  }
+
+  const auto rows = read_csv(out / "scaling.csv");
+  ASSERT_EQ(rows.size(), 1u + 9u) << "d_k = 4 ... 1024";
+  std::map<std::string, size_t> column;
+  for (size_t i = 0; i < rows[0].size(); ++i) column[rows[0][i]] = i;
+  auto cell = [&](size_t row, const char* name) { return std::stod(rows[row].at(column.at(name))); };
+  for (size_t r = 1; r < rows.size(); ++r) {
+    // Var(q·k) = d_k within 5 standard errors; the error of a sample variance of M draws of
+    // q·k is sqrt((E[s⁴] - d_k²) / M) with E[s⁴] = 3 d_k² + 6 d_k for Gaussian q, k.
+    const double d_k = cell(r, "d_k"), samples = cell(r, "samples");
+    const double standard_error = std::sqrt((2 * d_k * d_k + 6 * d_k) / samples);
+    EXPECT_NEAR(cell(r, "var_qk"), d_k, 5 * standard_error) << "d_k " << d_k;
+    if (r > 1) {
+      EXPECT_GT(cell(r, "max_weight_unscaled"), cell(r - 1, "max_weight_unscaled")) << "d_k " << d_k;
+    }
+    EXPECT_NEAR(cell(r, "max_weight_scaled"), cell(1, "max_weight_scaled"), 0.05) << "scaled stays flat, d_k " << d_k;
+    EXPECT_NEAR(cell(r, "grad_qk_median_scaled"), cell(1, "grad_qk_median_scaled"),
+                0.25 * cell(1, "grad_qk_median_scaled")) << "d_k " << d_k;
+  }
+  const size_t last = rows.size() - 1;  // d_k = 1024
+  EXPECT_GT(cell(last, "max_weight_unscaled"), 0.9);
+  EXPECT_LT(cell(last, "grad_qk_median_unscaled"), 0.01 * cell(last, "grad_qk_median_scaled"));
+  EXPECT_LT(cell(last, "grad_scores_median_unscaled"), 0.01 * cell(last, "grad_scores_median_scaled"));
+
+  // Training at a large d_model: the unscaled variant is measurably worse.
+  const auto training = read_csv(out / "scaling_training.csv");
+  ASSERT_GT(training.size(), 100u);
+  double scaled = 0, unscaled = 0;
+  for (size_t r = training.size() - 30; r < training.size(); ++r) {
+    scaled += std::stod(training[r][1]), unscaled += std::stod(training[r][2]);
+  }
+  EXPECT_LT(scaled * 10, unscaled);
+  EXPECT_TRUE(is_png(out / "scaling.png"));
+  fs::remove_all(out);
 }
 
 }  // namespace

@@ -178,7 +178,8 @@ void draw_line_plot(Canvas& canvas, const LinePlot& plot, int left, int top, int
   canvas.text(x0 + (x1 - x0 - Canvas::text_width(plot.x_label, 2)) / 2, y1 + 22, plot.x_label, kBlack, 2);
   canvas.vertical_text(left + 6, (y0 + y1) / 2, plot.y_label, kBlack, 2);
 
-  int legend_y = y0 + 6;
+  // Curves first, then the legend in the corner the curves cross least, on a white box.
+  std::vector<std::pair<double, double>> drawn;  // sampled curve pixels, to place the legend
   for (const auto& s : plot.series) {
     bool has_previous = false;
     double px = 0, py = 0;
@@ -189,17 +190,43 @@ void draw_line_plot(Canvas& canvas, const LinePlot& plot, int left, int top, int
         continue;
       }
       const double x = map_x(s.x[i]), y = map_y(s.y[i]);
-      if (has_previous) canvas.line(px, py, x, y, s.color, 2);
+      if (has_previous) {
+        canvas.line(px, py, x, y, s.color, 2);
+        for (int t = 0; t <= 8; ++t) drawn.emplace_back(px + (x - px) * t / 8, py + (y - py) * t / 8);
+      }
       if (s.x.size() <= 24) canvas.rect(static_cast<int>(x) - 3, static_cast<int>(y) - 3, static_cast<int>(x) + 4,
                                         static_cast<int>(y) + 4, s.color);
+      drawn.emplace_back(x, y);
       px = x, py = y, has_previous = true;
     }
-    if (!s.name.empty()) {
-      const int w = Canvas::text_width(s.name, 2);
-      canvas.rect(x1 - w - 34, legend_y + 6, x1 - w - 12, legend_y + 9, s.color);
-      canvas.text(x1 - w - 6, legend_y, s.name, kBlack, 2);
-      legend_y += 22;
+  }
+  int legend_w = 0, legend_h = 0;
+  for (const auto& s : plot.series) {
+    if (s.name.empty()) continue;
+    legend_w = std::max(legend_w, Canvas::text_width(s.name, 2) + 40);
+    legend_h += 22;
+  }
+  if (legend_h == 0) return;
+  legend_h += 6;
+  const int corners[4][2] = {{x1 - legend_w - 4, y0 + 4}, {x1 - legend_w - 4, y1 - legend_h - 4},
+                             {x0 + 4, y0 + 4}, {x0 + 4, y1 - legend_h - 4}};
+  int best = 0;
+  size_t best_hits = SIZE_MAX;
+  for (int c = 0; c < 4; ++c) {
+    size_t hits = 0;
+    for (const auto& [x, y] : drawn) {
+      hits += x >= corners[c][0] && x <= corners[c][0] + legend_w && y >= corners[c][1] && y <= corners[c][1] + legend_h;
     }
+    if (hits < best_hits) best_hits = hits, best = c;
+  }
+  const int lx = corners[best][0], ly = corners[best][1];
+  canvas.rect(lx, ly, lx + legend_w, ly + legend_h, kWhite);
+  int legend_y = ly + 4;
+  for (const auto& s : plot.series) {
+    if (s.name.empty()) continue;
+    canvas.rect(lx + 6, legend_y + 8, lx + 28, legend_y + 11, s.color);
+    canvas.text(lx + 34, legend_y, s.name, kBlack, 2);
+    legend_y += 22;
   }
 }
 
@@ -224,10 +251,14 @@ Color series_color(int index) {
 }
 
 void write_line_plots(const std::string& path, const std::vector<LinePlot>& panels, int panel_width,
-                      int panel_height) {
-  Canvas canvas(panel_width * static_cast<int>(panels.size()), panel_height);
-  for (size_t i = 0; i < panels.size(); ++i) {
-    draw_line_plot(canvas, panels[i], static_cast<int>(i) * panel_width, 0, panel_width, panel_height);
+                      int panel_height, int columns) {
+  const int count = std::max(1, static_cast<int>(panels.size()));
+  const int per_row = columns > 0 ? std::min(columns, count) : count;
+  const int rows = (count + per_row - 1) / per_row;
+  Canvas canvas(panel_width * per_row, panel_height * rows);
+  for (int i = 0; i < static_cast<int>(panels.size()); ++i) {
+    draw_line_plot(canvas, panels[i], (i % per_row) * panel_width, (i / per_row) * panel_height, panel_width,
+                   panel_height);
   }
   canvas.save(path);
 }

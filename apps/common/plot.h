@@ -42,8 +42,9 @@ Color series_color(int index);
 
 /// Writes one figure with one or more panels side by side. Throws std::runtime_error naming the
 /// path when it cannot be written.
+/// `columns` panels per row (0: all in one row).
 void write_line_plots(const std::string& path, const std::vector<LinePlot>& panels, int panel_width = 560,
-                      int panel_height = 400);
+                      int panel_height = 400, int columns = 0);
 /// Heatmaps side by side, one colour scale (0 to 1) for all, with axis labels.
 void write_heatmaps(const std::string& path, const std::string& title, const std::vector<Heatmap>& panels,
                     const std::string& row_label, const std::string& col_label);

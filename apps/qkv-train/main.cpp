@@ -2,6 +2,7 @@
 // Exit status: 0 done, 1 runtime failure, 2 bad command line, 130 / 143 stopped by SIGINT / SIGTERM.
 #include "checkpoint.h"
 #include "run_config.h"
+#include "scaling_task.h"
 #include "seed_task.h"
 #include "tasks.h"
 #include "trainer.h"
@@ -84,16 +85,17 @@ int main(int argc, char** argv) {
 
   CLI::App app{"qkv-train: train qkv::SelfAttention on toy tasks and watch attention learn (qkv " QKV_VERSION_STRING
                ").\nTasks: seed = the documents' example; reverse = output position i copies input position "
-               "N-1-i; lookup = recall the value stored under a query key.",
+               "N-1-i; lookup = recall the value stored under a query key; scaling = the documents' experiment for "
+               "sqrt(d_k).",
                "qkv-train"};
   app.option_defaults()->always_capture_default();
   const char* task_default = " (by task: seed / reverse / lookup = ";
-  app.add_option("--task", config.task, "Task")->check(CLI::IsMember({"seed", "reverse", "lookup"}));
+  app.add_option("--task", config.task, "Task")->check(CLI::IsMember({"seed", "reverse", "lookup", "scaling"}));
   app.add_option("--device", config.device_name, "Device; auto picks CUDA when present")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--dtype", config.dtype_name, "Parameter and input dtype")
       ->check(CLI::IsMember({"float32", "float64", "bfloat16"}));
-  app.add_option("--d-model", config.d_model, std::string("Model width E") + task_default + "8 / 48 / 33)")
+  app.add_option("--d-model", config.d_model, std::string("Model width E") + task_default + "8 / 48 / 33; scaling 256)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
       ->default_str("by task");
   app.add_option("--heads", config.heads, "Attention heads H (d_model must be divisible by it)")
@@ -104,7 +106,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", config.batch, std::string("Batch size B") + task_default + "1 / 64 / 64)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
       ->default_str("by task");
-  app.add_option("--steps", config.steps, std::string("Training steps") + task_default + "1 / 800 / 2000)")
+  app.add_option("--steps", config.steps, std::string("Training steps") + task_default + "1 / 800 / 2000; scaling 300)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->default_str("by task");
   app.add_option("--lr", config.lr, std::string("Learning rate") + task_default + "0.01 / 0.01 / 0.003)")
@@ -158,12 +160,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "qkv-train: %s\n", e.what());
     return 1;
   }
-  if (config.task == "seed" && (!config.resume_dir.empty() || config.checkpoint_every > 0)) {
-    return usage_error("--task seed is the documents' single example; --resume and --checkpoint-every need --task "
+  if ((config.task == "seed" || config.task == "scaling") &&
+      (!config.resume_dir.empty() || config.checkpoint_every > 0)) {
+    return usage_error("--task " + config.task + " has no checkpoints; --resume and --checkpoint-every need --task "
                        "reverse or lookup");
   }
   qkv_train::apply_task_defaults(config);
   if (config.task != "seed") {
+    if (config.task == "scaling" && config.d_model <= config.seq_len) {
+      return usage_error("--task scaling trains reverse and needs --d-model > --seq-len");
+    }
     if (const auto problem = qkv_train::task_option_problem(config); !problem.empty()) return usage_error(problem);
   }
 
@@ -174,6 +180,11 @@ int main(int argc, char** argv) {
     spdlog::debug("LibTorch {}, {} threads", TORCH_VERSION, torch::get_num_threads());
     if (config.task == "seed") {
       auto summary = qkv_train::run_seed_task(config, device);
+      if (config.json) std::cout << summary.dump() << std::endl;
+      return 0;
+    }
+    if (config.task == "scaling") {
+      auto summary = qkv_train::run_scaling_task(config, device);
       if (config.json) std::cout << summary.dump() << std::endl;
       return 0;
     }

@@ -18,6 +18,7 @@ void apply_task_defaults(RunConfig& config) {
   Defaults defaults{8, 4, 1, 1, 0.01, 1, 1};
   if (config.task == "reverse") defaults = {48, 16, 64, 800, 0.01, 50, 100};
   if (config.task == "lookup") defaults = {33, 17, 64, 2000, 0.003, 100, 200};
+  if (config.task == "scaling") defaults = {256, 16, 32, 300, 0.01, 50, 50};
   if (config.d_model == 0) config.d_model = defaults.d_model;
   if (config.seq_len == 0) config.seq_len = defaults.seq_len;
   if (config.batch == 0) config.batch = defaults.batch;

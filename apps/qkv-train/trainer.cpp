@@ -30,13 +30,13 @@ std::atomic<int> stop_signal{0};
 void on_stop_signal(int signal) { stop_signal.store(signal); }
 
 constexpr const char* kMetricsHeader =
-    "step,loss,eval_loss,eval_answer_weight,attn_max_weight,attn_entropy,grad_norm,grad_norm_qk,lr,tokens_per_s,"
-    "elapsed_s";
+    "step,loss,eval_loss,eval_answer_weight,attn_max_weight,attn_entropy,softmax_jacobian,grad_norm,grad_norm_qk,lr,"
+    "tokens_per_s,elapsed_s";
 
 struct MetricsRow {
   int64_t step = 0;
   std::optional<double> loss;  // unset for the evaluation before the first step
-  std::optional<double> eval_loss, answer_weight, attn_max, attn_entropy;
+  std::optional<double> eval_loss, answer_weight, attn_max, attn_entropy, softmax_jacobian;
   double grad_norm = 0, grad_norm_qk = 0, lr = 0, tokens_per_s = 0, elapsed_s = 0;
 };
 
@@ -52,7 +52,8 @@ std::string csv_line(const MetricsRow& r) {
   std::ostringstream line;
   line.precision(8);
   line << r.step << ',' << optional_cell(r.loss) << ',' << optional_cell(r.eval_loss) << ',' << optional_cell(r.answer_weight) << ','
-       << optional_cell(r.attn_max) << ',' << optional_cell(r.attn_entropy) << ',' << r.grad_norm << ','
+       << optional_cell(r.attn_max) << ',' << optional_cell(r.attn_entropy) << ',' << optional_cell(r.softmax_jacobian)
+       << ',' << r.grad_norm << ','
        << r.grad_norm_qk << ',' << r.lr << ',' << r.tokens_per_s << ',' << r.elapsed_s;
   return line.str();
 }
@@ -80,6 +81,9 @@ double grad_norm(const std::vector<torch::Tensor>& parameters) {
 
 struct Evaluation {
   double loss = 0, answer_weight = 0, attn_max = 0, attn_entropy = 0;
+  // Mean Frobenius norm of softmax's Jacobian diag(p) - p pᵀ over the rows: how much gradient
+  // passes from the weights back to the scores. Near 0 when softmax saturates (one-hot rows).
+  double softmax_jacobian = 0;
   torch::Tensor example_weights;  // (H, N, S) of the first example
 };
 
@@ -94,6 +98,9 @@ Evaluation evaluate(qkv::SelfAttention& model, const Task& task, const Batch& ba
   evaluation.answer_weight = task.answer_weight(weights, batch).item<double>();
   evaluation.attn_max = std::get<0>(weights.max(-1)).mean().item<double>();
   evaluation.attn_entropy = -(weights * weights.clamp_min(1e-30).log()).sum(-1).mean().item<double>();
+  // ||diag(p) - p pᵀ||²_F = Σ p² - 2 Σ p³ + (Σ p²)², row by row.
+  const auto p2 = weights.pow(2).sum(-1), p3 = weights.pow(3).sum(-1);
+  evaluation.softmax_jacobian = (p2 - 2 * p3 + p2.pow(2)).clamp_min(0).sqrt().mean().item<double>();
   evaluation.example_weights = weights[0].cpu();
   return evaluation;
 }
@@ -132,7 +139,7 @@ void write_pictures(const fs::path& out, const RunConfig& config, const std::vec
     if (!cells[3].empty()) answer.x.push_back(step), answer.y.push_back(std::stod(cells[3]));
   }
   qkv_plot::LinePlot losses{"qkv-train --task " + config.task + ": loss", "step", "MSE loss (log scale)",
-                            {train, eval}, false, true};
+                            {train, eval}, false, true, {}, {}};
   qkv_plot::LinePlot attention{"attention on the right key", "step", metric_name, {answer}, false, false, 0.0, 1.0};
   qkv_plot::write_line_plots((out / "loss.png").string(), {losses, attention});
 
@@ -226,6 +233,7 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
     MetricsRow row;
     row.eval_loss = evaluation.loss, row.answer_weight = evaluation.answer_weight;
     row.attn_max = evaluation.attn_max, row.attn_entropy = evaluation.attn_entropy, row.lr = config.lr;
+    row.softmax_jacobian = evaluation.softmax_jacobian;
     metric_lines.push_back(csv_line(row));
     metrics << metric_lines.back() << '\n';
   }
@@ -265,6 +273,7 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
         const auto evaluation = evaluate(model, *task, eval_batch);
         row.eval_loss = evaluation.loss, row.answer_weight = evaluation.answer_weight;
         row.attn_max = evaluation.attn_max, row.attn_entropy = evaluation.attn_entropy;
+        row.softmax_jacobian = evaluation.softmax_jacobian;
       }
       metric_lines.push_back(csv_line(row));
       metrics << metric_lines.back() << '\n';
@@ -295,7 +304,8 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
       {"initial_loss", initial_loss.value_or(last_loss)},
       {"final_loss", last_loss},
       {"eval", {{"loss", evaluation.loss}, {task->metric_name(), evaluation.answer_weight},
-                {"attn_max_weight", evaluation.attn_max}, {"attn_entropy", evaluation.attn_entropy}}},
+                {"attn_max_weight", evaluation.attn_max}, {"attn_entropy", evaluation.attn_entropy},
+                {"softmax_jacobian", evaluation.softmax_jacobian}}},
       {"wall_time_s", progress.elapsed_seconds()},
       {"steps_per_s", progress.steps_per_second()},
       {"tokens_per_s", progress.tokens_per_second()},
