@@ -213,8 +213,36 @@ def check_loop_reference():
     print("LoopAttention agrees with the documents' class and nn.MultiheadAttention")
 
 
+def interop_cases():
+    """Weight files as PyTorch users write them, for tests/test_state_dict.cpp."""
+    torch.manual_seed(21)
+    docs = DocumentsSelfAttention(8)
+    x = torch.randn(5, 8)
+    torch.save(dict(docs.state_dict()), os.path.join(DATA, "interop_documents_weights.pt"))
+    torch.save(docs.state_dict(), os.path.join(DATA, "interop_documents_ordereddict.pt"))
+    torch.save({"generated_by": GENERATOR, "query": x, "output": docs(x).detach()},
+               os.path.join(DATA, "interop_documents_io.pt"))
+
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    with torch.no_grad():  # PyTorch initialises the biases to zero; make them count
+        mha.in_proj_bias.uniform_(-0.5, 0.5)
+        mha.out_proj.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 5, 16)
+    seq_first = nn.MultiheadAttention(16, 4)  # the default layout: (N, B, E)
+    seq_first.load_state_dict(mha.state_dict())
+    torch.save(dict(mha.state_dict()), os.path.join(DATA, "interop_mha_weights.pt"))
+    torch.save({"generated_by": GENERATOR, "query": x,
+                "output_batch_first": mha(x, x, x, need_weights=False)[0].detach(),
+                "query_seq_first": x.transpose(0, 1).contiguous(),
+                "output_seq_first": seq_first(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1),
+                                              need_weights=False)[0].detach()},
+               os.path.join(DATA, "interop_mha_io.pt"))
+    print("wrote tests/data/interop_*.pt")
+
+
 def main():
     os.makedirs(DATA, exist_ok=True)
+    interop_cases()
     check_loop_reference()
     documents_case()
     loop_case("multihead", seed=1)

@@ -125,11 +125,15 @@ int main(int argc, char** argv) {
   app.add_option("--eval-every", config.eval_every, "Evaluate (and draw) every N steps")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->default_str("by task");
-  app.add_option("--out", config.out_dir, "Folder for metrics.csv, summary.json, loss.png, attention.png, checkpoint.pt");
+  app.add_option("--out", config.out_dir, "Folder for metrics.csv, summary.json, loss.png, attention.png, checkpoint.pt, model.pt");
   app.add_option("--checkpoint-every", config.checkpoint_every, "Write a checkpoint every N steps (0 = only at the end)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--resume", config.resume_dir, "Continue from the checkpoint in this folder")
       ->check(CLI::ExistingDirectory);
+  app.add_option("--init-weights", config.init_weights,
+                 "Start from these weights: a file of Python's torch.save(dict(model.state_dict()), path), in the "
+                 "documents' or nn.MultiheadAttention's layout")
+      ->check(CLI::ExistingFile);
   app.add_flag("--json", config.json, "Print the summary as one JSON object on stdout");
   app.add_flag("--quiet", config.quiet, "No progress display");
   app.add_option("--log-level", log_level, "Log level (the SPDLOG_LEVEL environment variable also works)")
@@ -199,7 +203,10 @@ int main(int argc, char** argv) {
                   static_cast<long long>(s["steps"].get<int64_t>()), s["wall_time_s"].get<double>(),
                   s["tokens_per_s"].get<double>(), s["device"].get<std::string>().c_str());
       for (const auto& [key, value] : s["eval"].items()) std::printf("  eval %s: %.4f\n", key.c_str(), value.get<double>());
-      if (!config.out_dir.empty()) std::printf("  wrote %s/{metrics.csv,summary.json,loss.png,attention.png,checkpoint.pt}\n", config.out_dir.c_str());
+      if (!config.out_dir.empty()) {
+        std::printf("  wrote %s/{metrics.csv,summary.json,loss.png,attention.png,checkpoint.pt,model.pt}\n",
+                    config.out_dir.c_str());
+      }
     }
     return result.exit_code;
   } catch (const qkv_train::TrainingDiverged& e) {

@@ -42,7 +42,7 @@ nlohmann::json to_json(const RunConfig& config) {
   json.update({{"device", config.device_name}, {"batch", config.batch},           {"steps", config.steps},
                {"lr", config.lr},              {"seed", config.seed},             {"threads", config.threads},
                {"log_every", config.log_every}, {"eval_every", config.eval_every},
-               {"checkpoint_every", config.checkpoint_every}});
+               {"checkpoint_every", config.checkpoint_every}, {"init_weights", config.init_weights}});
   return json;
 }
 

@@ -31,6 +31,7 @@ struct RunConfig {
   std::string out_dir;
   int64_t checkpoint_every = 0;
   std::string resume_dir;
+  std::string init_weights;  // a torch.save'd dict (documents' or nn.MultiheadAttention layout)
   bool json = false;
   bool quiet = false;
 };

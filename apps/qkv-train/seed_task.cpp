@@ -27,6 +27,7 @@ nlohmann::json run_seed_task(const RunConfig& config, const torch::Device& devic
   torch::manual_seed(config.seed);
   auto x = torch::randn({config.seq_len, config.d_model});  // (N, E)
   qkv::SelfAttention attention(config.d_model);
+  if (!config.init_weights.empty()) qkv::load_state_dict(attention, config.init_weights);
   auto target = torch::randn({config.seq_len, config.d_model});
   x = x.to(device);
   target = target.to(device);

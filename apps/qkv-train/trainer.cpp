@@ -176,6 +176,10 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
                                .causal(config.causal)
                                .scale(config.scale ? c10::optional<double>(*config.scale) : c10::nullopt));
   model->to(device, dtype);
+  if (!config.init_weights.empty() && config.resume_dir.empty()) {
+    qkv::load_state_dict(model, config.init_weights);
+    spdlog::info("initial weights from {}", config.init_weights);
+  }
   auto optimizer = make_optimizer(config, model);
   const auto parameters = model->parameters();
   std::vector<torch::Tensor> query_key_parameters = model->W_q->parameters();
@@ -313,6 +317,8 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
   if (exit_code != 0) summary["stopped_by_signal"] = exit_code - 128;
   if (!out.empty()) {
     if (exit_code == 0) save();
+    // The trained weights in PyTorch's format: SelfAttention(d).load_state_dict(torch.load(path)).
+    qkv::save_state_dict(model, (out / "model.pt").string());
     write_text_file(out / "summary.json", summary.dump(2) + "\n");
     write_pictures(out, config, metric_lines, evaluation, task->metric_name());
   }

@@ -5,4 +5,5 @@
 #include <qkv/masks.h>
 #include <qkv/options.h>
 #include <qkv/self_attention.h>
+#include <qkv/state_dict.h>
 #include <qkv/version.h>

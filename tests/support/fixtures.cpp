@@ -20,7 +20,10 @@ c10::impl::GenericDict load_fixture(const std::string& path) {
 }  // namespace
 
 Fixture::Fixture(const std::string& case_name)
-    : name_(case_name), dict_(load_fixture(data_path("parity_" + case_name + ".pt"))) {}
+    : name_(case_name),
+      dict_(load_fixture(data_path(case_name.size() > 3 && case_name.substr(case_name.size() - 3) == ".pt"
+                                       ? case_name
+                                       : "parity_" + case_name + ".pt"))) {}
 
 bool Fixture::has(const std::string& key) const { return dict_.contains(key); }
 

@@ -17,6 +17,7 @@ std::string data_path(const std::string& name);
 /// One fixture: a flat dict of tensors and config scalars (see scripts/gen_reference.py).
 class Fixture {
  public:
+  /// tests/data/parity_<case_name>.pt, or tests/data/<case_name> when it ends in .pt.
   explicit Fixture(const std::string& case_name);
 
   bool has(const std::string& key) const;

@@ -1,0 +1,173 @@
+// PyTorch weight files: reading torch.save'd dicts, mapping nn.MultiheadAttention's layout onto
+// SelfAttention's parameters, validating everything before changing anything, and writing files
+// that Python's torch.load reads.
+#include <qkv/state_dict.h>
+
+#include <torch/serialize.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+
+namespace qkv {
+namespace {
+
+std::string join(const std::vector<std::string>& items) {
+  std::string text;
+  for (const auto& item : items) text += (text.empty() ? "" : ", ") + item;
+  return text;
+}
+
+std::string shape_text(c10::IntArrayRef sizes) {
+  std::ostringstream text;
+  text << sizes;
+  return text.str();
+}
+
+}  // namespace
+
+std::map<std::string, torch::Tensor> read_tensor_dict(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  TORCH_CHECK(file.good(), "load_state_dict: cannot open ", path);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  TORCH_CHECK(!bytes.empty(), "load_state_dict: ", path, " is empty; expected a file written by torch.save");
+  // torch.save stores its pickle uncompressed. A top-level OrderedDict shows as the protocol
+  // header followed by the GLOBAL opcode for it (tensors inside carry an OrderedDict too, but
+  // never right after the header).
+  static const std::string ordered_dict = std::string("\x80\x02", 2) + "ccollections\nOrderedDict\n";
+  const bool is_ordered_dict = std::search(bytes.begin(), bytes.end(), ordered_dict.begin(), ordered_dict.end()) !=
+                               bytes.end();
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    // LibTorch 1.13's unpickler turns an OrderedDict into None and then fails on it.
+    TORCH_CHECK(!is_ordered_dict, "load_state_dict: ", path,
+                " holds an OrderedDict (Python's model.state_dict()), which LibTorch ", TORCH_VERSION,
+                " cannot read. Save a plain dict instead: torch.save(dict(model.state_dict()), \"", path,
+                "\") (scripts/export_weights.py does this)");
+    TORCH_CHECK(false, "load_state_dict: ", path, " is not a dict of tensors written by torch.save (",
+                e.what_without_backtrace(), ")");
+  }
+  TORCH_CHECK(value.isGenericDict(), "load_state_dict: ", path, " holds a ", value.tagKind(),
+              "; expected a dict of tensors as written by torch.save(dict(model.state_dict()), path)");
+  std::map<std::string, torch::Tensor> tensors;
+  std::vector<std::string> not_tensors;
+  for (const auto& entry : value.toGenericDict()) {
+    TORCH_CHECK(entry.key().isString(), "load_state_dict: ", path, " has a key of type ", entry.key().tagKind(),
+                "; expected parameter names (strings)");
+    if (!entry.value().isTensor()) {
+      not_tensors.push_back(entry.key().toStringRef() + " (" + entry.value().tagKind() + ")");
+      continue;
+    }
+    tensors.emplace(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  TORCH_CHECK(not_tensors.empty(), "load_state_dict: ", path, " has entries that are not tensors: ",
+              join(not_tensors));
+  return tensors;
+}
+
+StateDictLayout detect_layout(const std::map<std::string, torch::Tensor>& tensors) {
+  for (const char* key : {"in_proj_weight", "q_proj_weight", "out_proj.weight"}) {
+    if (tensors.count(key)) return StateDictLayout::MultiheadAttention;
+  }
+  return StateDictLayout::Documents;
+}
+
+namespace {
+
+// nn.MultiheadAttention's names onto SelfAttention's: in_proj_* is W_q, W_k, W_v stacked.
+std::map<std::string, torch::Tensor> from_multihead_layout(const std::map<std::string, torch::Tensor>& tensors,
+                                                           const std::string& source) {
+  std::map<std::string, torch::Tensor> mapped;
+  for (const auto& [key, tensor] : tensors) {
+    if (key == "in_proj_weight" || key == "in_proj_bias") {
+      TORCH_CHECK(tensor.dim() >= 1 && tensor.size(0) % 3 == 0, "load_state_dict: ", source, ": ", key,
+                  " has shape ", tensor.sizes(), "; expected its first dimension to be 3 * d_model (W_q, W_k, W_v)");
+      const auto parts = tensor.chunk(3, /*dim=*/0);
+      const std::string suffix = key == "in_proj_weight" ? ".weight" : ".bias";
+      mapped["W_q" + suffix] = parts[0];
+      mapped["W_k" + suffix] = parts[1];
+      mapped["W_v" + suffix] = parts[2];
+    } else if (key == "q_proj_weight" || key == "k_proj_weight" || key == "v_proj_weight") {
+      mapped[std::string("W_") + key[0] + ".weight"] = tensor;
+    } else if (key.rfind("out_proj.", 0) == 0) {
+      mapped["W_o." + key.substr(9)] = tensor;
+    } else {
+      mapped[key] = tensor;  // reported as unexpected below (bias_k / bias_v: add_bias_kv is not supported)
+    }
+  }
+  return mapped;
+}
+
+}  // namespace
+
+void load_state_dict(SelfAttention& module, const std::map<std::string, torch::Tensor>& tensors,
+                     const std::string& source) {
+  const auto layout = detect_layout(tensors);
+  const auto mapped = layout == StateDictLayout::MultiheadAttention ? from_multihead_layout(tensors, source) : tensors;
+  auto parameters = module->named_parameters();
+
+  std::vector<std::string> missing, unexpected, mismatched, not_floating;
+  for (const auto& item : parameters) {
+    if (!mapped.count(item.key())) missing.push_back(item.key());
+  }
+  for (const auto& [key, tensor] : mapped) {
+    const auto* parameter = parameters.find(key);
+    if (!parameter) {
+      unexpected.push_back(key);
+    } else if (tensor.sizes() != parameter->sizes()) {
+      mismatched.push_back(key + " is " + shape_text(tensor.sizes()) + ", the module's is " +
+                           shape_text(parameter->sizes()));
+    } else if (!tensor.is_floating_point()) {
+      not_floating.push_back(key + " (" + std::string(c10::toString(tensor.scalar_type())) + ")");
+    }
+  }
+  if (!missing.empty() || !unexpected.empty() || !mismatched.empty() || !not_floating.empty()) {
+    std::ostringstream problem;
+    problem << "load_state_dict: " << source << " ("
+            << (layout == StateDictLayout::MultiheadAttention ? "nn.MultiheadAttention" : "documents'")
+            << " layout) does not fit " << *module << "; nothing was loaded.";
+    if (!missing.empty()) problem << " Missing: " << join(missing) << ".";
+    if (!unexpected.empty()) problem << " Unexpected: " << join(unexpected) << ".";
+    if (!mismatched.empty()) problem << " Wrong shape: " << join(mismatched) << ".";
+    if (!not_floating.empty()) problem << " Not floating-point: " << join(not_floating) << ".";
+    if (layout == StateDictLayout::MultiheadAttention && missing.size() + unexpected.size() > 0) {
+      problem << " (nn.MultiheadAttention weights need SelfAttentionOptions(E).num_heads(H).out_proj(true)"
+              << " and bias matching the Python module's.)";
+    }
+    TORCH_CHECK(false, problem.str());
+  }
+
+  torch::NoGradGuard no_grad;
+  for (auto& item : parameters) {
+    item.value().copy_(mapped.at(item.key()));  // copy_ converts dtype and device
+  }
+}
+
+void load_state_dict(SelfAttention& module, const std::string& path) {
+  load_state_dict(module, read_tensor_dict(path), path);
+}
+
+void save_state_dict(const SelfAttention& module, const std::string& path) {
+  c10::Dict<std::string, torch::Tensor> dict;
+  for (const auto& item : module->named_parameters()) {
+    dict.insert(item.key(), item.value().detach().to(torch::kCPU).contiguous());
+  }
+  const auto bytes = torch::pickle_save(c10::IValue(dict));
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(file.good(), "save_state_dict: cannot write ", temporary);
+    file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    file.close();
+    TORCH_CHECK(file.good(), "save_state_dict: writing ", temporary, " failed");
+  }
+  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "save_state_dict: cannot rename ", temporary, " to ",
+              path);
+}
+
+}  // namespace qkv
