@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what qkv needs to build and test on Debian 12, skipping what is already there.
-#   scripts/setup.sh            build and test dependencies
-#   scripts/setup.sh --python   also Debian's PyTorch (python3-torch), for scripts/gen_reference.py
+#   scripts/setup.sh    build and test dependencies, and Debian's PyTorch (python3-torch) for the
+#                       Python side: the interop round-trip test and scripts/gen_reference.py
 set -euo pipefail
 
 packages=(
@@ -10,8 +10,8 @@ packages=(
   libopenblas0-openmp     # without it LibTorch multiplies matrices with the reference BLAS, 50-80x slower
   libspdlog-dev libcli11-dev nlohmann-json3-dev libstb-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  python3-torch           # PyTorch 1.13 under /usr/bin/python3, the reference the tests compare with
 )
-if [[ "${1:-}" == "--python" ]]; then packages+=(python3-torch); fi
 
 missing=()
 for package in "${packages[@]}"; do
