@@ -33,7 +33,16 @@ std::map<std::string, torch::Tensor> read_tensor_dict(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
   TORCH_CHECK(file.good(), "load_state_dict: cannot open ", path);
   const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  return read_tensor_dict(bytes, path);
+}
+
+std::map<std::string, torch::Tensor> read_tensor_dict(const std::vector<char>& bytes, const std::string& path) {
   TORCH_CHECK(!bytes.empty(), "load_state_dict: ", path, " is empty; expected a file written by torch.save");
+  try {
+    verify_torch_archive(bytes.data(), bytes.size(), path);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "load_state_dict: ", e.what_without_backtrace());
+  }
   // torch.save stores its pickle uncompressed. A top-level OrderedDict shows as the protocol
   // header followed by the GLOBAL opcode for it (tensors inside carry an OrderedDict too, but
   // never right after the header).

@@ -1,6 +1,8 @@
 #include "checkpoint.h"
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <stdexcept>
 
 namespace qkv_train {
@@ -19,6 +21,7 @@ void save_checkpoint(const std::string& dir, qkv::SelfAttention& model, torch::o
     archive.write("optimizer", optimizer_archive);
     archive.write("step", torch::tensor(state.step, torch::kLong));
     archive.write("initial_loss", torch::tensor(state.initial_loss, torch::kDouble));
+    archive.write("last_loss", torch::tensor(state.last_loss, torch::kDouble));
     archive.write("options", c10::IValue(state.options.dump()));
     archive.write("cpu_rng_state", at::detail::getDefaultCPUGenerator().get_state());
     archive.save_to(temporary.string());
@@ -36,9 +39,13 @@ namespace {
 torch::serialize::InputArchive open_archive(const std::string& dir) {
   const auto path = (fs::path(dir) / kCheckpointFile).string();
   if (!fs::exists(path)) throw std::runtime_error("--resume: no checkpoint at " + path);
+  std::ifstream file(path, std::ios::binary);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (!file.good() && !file.eof()) throw std::runtime_error("--resume: cannot read " + path);
   torch::serialize::InputArchive archive;
   try {
-    archive.load_from(path);
+    qkv::verify_torch_archive(bytes.data(), bytes.size(), path);
+    archive.load_from(bytes.data(), bytes.size());
   } catch (const c10::Error& e) {
     throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what_without_backtrace());
   }
@@ -47,13 +54,15 @@ torch::serialize::InputArchive open_archive(const std::string& dir) {
 
 CheckpointState read_state(torch::serialize::InputArchive& archive) {
   CheckpointState state;
-  torch::Tensor step, initial_loss;
+  torch::Tensor step, initial_loss, last_loss;
   c10::IValue options;
   archive.read("step", step);
   archive.read("initial_loss", initial_loss);
+  archive.read("last_loss", last_loss);
   archive.read("options", options);
   state.step = step.item<int64_t>();
   state.initial_loss = initial_loss.item<double>();
+  state.last_loss = last_loss.item<double>();
   state.options = nlohmann::json::parse(options.toStringRef());
   return state;
 }

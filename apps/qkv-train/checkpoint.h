@@ -17,6 +17,7 @@ constexpr const char* kCheckpointFile = "checkpoint.pt";
 struct CheckpointState {
   int64_t step = 0;
   double initial_loss = 0.0;
+  double last_loss = 0.0;  // the loss of `step`, so a finished run resumed reports it
   nlohmann::json options;  // to_json() of the run's options
 };
 

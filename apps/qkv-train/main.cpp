@@ -1,181 +1,27 @@
 // qkv-train: trains qkv::SelfAttention on toy tasks and shows what attention learned.
 // Exit status: 0 done, 1 runtime failure, 2 bad command line, 130 / 143 stopped by SIGINT / SIGTERM.
-#include "checkpoint.h"
+#include "cli.h"
 #include "run_config.h"
 #include "scaling_task.h"
 #include "seed_task.h"
-#include "tasks.h"
 #include "trainer.h"
 
 #include <qkv/qkv.h>
 
-#include <CLI/CLI.hpp>
-#include <spdlog/cfg/env.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <iostream>
 
-namespace {
-
-// Bad command lines: one line on stderr, exit status 2.
-int usage_error(const std::string& message) {
-  std::string line = message;
-  std::replace(line.begin(), line.end(), '\n', ' ');
-  std::fprintf(stderr, "qkv-train: error: %s (see --help)\n", line.c_str());
-  return 2;
-}
-
-// With --resume, options the command line leaves out come from the checkpoint. Options it sets
-// must agree with the checkpoint's where they define the model; others (batch, lr, seed, steps)
-// may change, with a warning where the run then differs from one that never stopped.
-// Returns a problem, or "".
-std::string merge_resumed_options(const CLI::App& app, qkv_train::RunConfig& config) {
-  const auto saved = qkv_train::read_checkpoint_state(config.resume_dir).options;
-  const auto current = qkv_train::to_json(config);
-  const std::pair<const char*, const char*> model_flags[] = {
-      {"task", "--task"},   {"d_model", "--d-model"}, {"heads", "--heads"},         {"seq_len", "--seq-len"},
-      {"causal", "--causal"}, {"dtype", "--dtype"},   {"optimizer", "--optimizer"}, {"scale", "--scale"}};
-  for (const auto& [key, flag] : model_flags) {
-    if (app.count(flag) > 0 && current.at(key) != saved.at(key)) {
-      return std::string("--resume: the checkpoint in ") + config.resume_dir + " was trained with " + flag + " " +
-             saved.at(key).dump() + ", the command line asks for " + current.at(key).dump();
-    }
-  }
-  const std::pair<const char*, const char*> run_flags[] = {{"batch", "--batch"}, {"lr", "--lr"}, {"seed", "--seed"}};
-  for (const auto& [key, flag] : run_flags) {
-    if (app.count(flag) > 0 && current.at(key) != saved.at(key)) {
-      spdlog::warn("--resume with {} {} (the checkpoint's run used {}): the losses will differ from an uninterrupted "
-                   "run", flag, current.at(key).dump(), saved.at(key).dump());
-    }
-  }
-  auto take = [&](const char* key, const char* flag, auto& field) {
-    if (app.count(flag) == 0) field = saved.at(key).get<std::decay_t<decltype(field)>>();
-  };
-  take("task", "--task", config.task);
-  take("d_model", "--d-model", config.d_model);
-  take("heads", "--heads", config.heads);
-  take("seq_len", "--seq-len", config.seq_len);
-  take("causal", "--causal", config.causal);
-  take("dtype", "--dtype", config.dtype_name);
-  take("optimizer", "--optimizer", config.optimizer);
-  take("batch", "--batch", config.batch);
-  take("lr", "--lr", config.lr);
-  take("seed", "--seed", config.seed);
-  take("steps", "--steps", config.steps);
-  take("log_every", "--log-every", config.log_every);
-  take("eval_every", "--eval-every", config.eval_every);
-  take("checkpoint_every", "--checkpoint-every", config.checkpoint_every);
-  if (app.count("--scale") == 0) {
-    config.scale = saved.at("scale").is_null() ? std::nullopt : std::optional<double>(saved.at("scale").get<double>());
-  }
-  return "";
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
-  qkv_train::RunConfig config;
-  std::string log_level = "info";
-  double scale = 0.0;
-
-  CLI::App app{"qkv-train: train qkv::SelfAttention on toy tasks and watch attention learn (qkv " QKV_VERSION_STRING
-               ").\nTasks: seed = the documents' example; reverse = output position i copies input position "
-               "N-1-i; lookup = recall the value stored under a query key; scaling = the documents' experiment for "
-               "sqrt(d_k).",
-               "qkv-train"};
-  app.option_defaults()->always_capture_default();
-  const char* task_default = " (by task: seed / reverse / lookup = ";
-  app.add_option("--task", config.task, "Task")->check(CLI::IsMember({"seed", "reverse", "lookup", "scaling"}));
-  app.add_option("--device", config.device_name, "Device; auto picks CUDA when present")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--dtype", config.dtype_name, "Parameter and input dtype")
-      ->check(CLI::IsMember({"float32", "float64", "bfloat16"}));
-  app.add_option("--d-model", config.d_model, std::string("Model width E") + task_default + "8 / 48 / 33; scaling 256)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
-      ->default_str("by task");
-  app.add_option("--heads", config.heads, "Attention heads H (d_model must be divisible by it)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 12));
-  app.add_option("--seq-len", config.seq_len, std::string("Sequence length N") + task_default + "4 / 16 / 17)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
-      ->default_str("by task");
-  app.add_option("--batch", config.batch, std::string("Batch size B") + task_default + "1 / 64 / 64)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
-      ->default_str("by task");
-  app.add_option("--steps", config.steps, std::string("Training steps") + task_default + "1 / 800 / 2000; scaling 300)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
-      ->default_str("by task");
-  app.add_option("--lr", config.lr, std::string("Learning rate") + task_default + "0.01 / 0.01 / 0.003)")
-      ->check(CLI::PositiveNumber)
-      ->default_str("by task");
-  app.add_option("--optimizer", config.optimizer, "Optimizer")->check(CLI::IsMember({"adam", "sgd"}));
-  app.add_option("--seed", config.seed, "Random seed (42 = the documents' example)");
-  app.add_option("--threads", config.threads, "CPU threads for LibTorch (0 = its default)")->check(CLI::Range(0, 1024));
-  app.add_flag("--causal", config.causal, "Causal mask: position i attends only to positions <= i");
-  app.add_option("--scale", scale, "Multiplier of QKᵀ (1.0 = unscaled, the documents' warning)")
-      ->check(CLI::PositiveNumber)
-      ->default_str("1/sqrt(d_model/heads)");
-  app.add_option("--log-every", config.log_every, "Log line and metrics.csv row every N steps")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
-      ->default_str("by task");
-  app.add_option("--eval-every", config.eval_every, "Evaluate (and draw) every N steps")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
-      ->default_str("by task");
-  app.add_option("--out", config.out_dir, "Folder for metrics.csv, summary.json, loss.png, attention.png, checkpoint.pt, model.pt");
-  app.add_option("--checkpoint-every", config.checkpoint_every, "Write a checkpoint every N steps (0 = only at the end)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--resume", config.resume_dir, "Continue from the checkpoint in this folder")
-      ->check(CLI::ExistingDirectory);
-  app.add_option("--init-weights", config.init_weights,
-                 "Start from these weights: a file of Python's torch.save(dict(model.state_dict()), path), in the "
-                 "documents' or nn.MultiheadAttention's layout")
-      ->check(CLI::ExistingFile);
-  app.add_flag("--json", config.json, "Print the summary as one JSON object on stdout");
-  app.add_flag("--quiet", config.quiet, "No progress display");
-  app.add_option("--log-level", log_level, "Log level (the SPDLOG_LEVEL environment variable also works)")
-      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
-
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    return usage_error(e.what());
-  }
-  if (scale > 0.0) config.scale = scale;
-
   // Logs go to stderr so that stdout carries only the run's results (and --json stays parseable).
   spdlog::set_default_logger(spdlog::stderr_color_mt("qkv-train"));
   spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
-  spdlog::set_level(spdlog::level::from_str(log_level));
-  spdlog::cfg::load_env_levels();
-  if (config.quiet && app.count("--log-level") == 0) spdlog::set_level(spdlog::level::warn);
-
-  try {
-    if (!config.resume_dir.empty()) {
-      if (const auto problem = merge_resumed_options(app, config); !problem.empty()) return usage_error(problem);
-      if (config.out_dir.empty()) config.out_dir = config.resume_dir;
-    }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "qkv-train: %s\n", e.what());
-    return 1;
-  }
-  if ((config.task == "seed" || config.task == "scaling") &&
-      (!config.resume_dir.empty() || config.checkpoint_every > 0)) {
-    return usage_error("--task " + config.task + " has no checkpoints; --resume and --checkpoint-every need --task "
-                       "reverse or lookup");
-  }
-  qkv_train::apply_task_defaults(config);
-  if (config.task != "seed") {
-    if (config.task == "scaling" && config.d_model <= config.seq_len) {
-      return usage_error("--task scaling trains reverse and needs --d-model > --seq-len");
-    }
-    if (const auto problem = qkv_train::task_option_problem(config); !problem.empty()) return usage_error(problem);
-  }
+  qkv_train::RunConfig config;
+  if (const int exit_code = qkv_train::parse_command_line(argc, argv, config); exit_code >= 0) return exit_code;
 
   try {
     if (config.threads > 0) torch::set_num_threads(config.threads);

@@ -64,9 +64,15 @@ std::vector<std::string> read_metrics_lines(const fs::path& path, int64_t last_s
   std::vector<std::string> lines;
   std::ifstream file(path);
   std::string line;
+  const std::string header = kMetricsHeader;
   std::getline(file, line);  // header
   while (std::getline(file, line)) {
-    if (!line.empty() && std::stoll(line.substr(0, line.find(','))) <= last_step) lines.push_back(line);
+    // A run killed mid-write can leave a partial last line: keep only whole rows up to the checkpoint.
+    if (std::count(line.begin(), line.end(), ',') != std::count(header.begin(), header.end(), ',')) continue;
+    try {
+      if (std::stoll(line.substr(0, line.find(','))) <= last_step) lines.push_back(line);
+    } catch (const std::exception&) {
+    }
   }
   return lines;
 }
@@ -194,11 +200,13 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
 
   int64_t step = 0;
   std::optional<double> initial_loss;
+  double last_loss = 0.0;
   std::vector<std::string> metric_lines;
   if (!config.resume_dir.empty()) {
     auto state = load_checkpoint(config.resume_dir, model, *optimizer);
     step = state.step;
     initial_loss = state.initial_loss;
+    last_loss = state.last_loss;
     metric_lines = read_metrics_lines(fs::path(config.resume_dir) / "metrics.csv", step);
     spdlog::info("resumed from {} at step {}", (fs::path(config.resume_dir) / kCheckpointFile).string(), step);
   }
@@ -227,7 +235,7 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
 
   auto save = [&]() {
     if (!out.empty()) {
-      save_checkpoint(out.string(), model, *optimizer, {step, initial_loss.value_or(0.0), to_json(config)});
+      save_checkpoint(out.string(), model, *optimizer, {step, initial_loss.value_or(0.0), last_loss, to_json(config)});
     }
   };
 
@@ -241,7 +249,6 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
     metric_lines.push_back(csv_line(row));
     metrics << metric_lines.back() << '\n';
   }
-  double last_loss = initial_loss.value_or(0.0);
   int exit_code = 0;
   while (step < config.steps) {
     ++step;

@@ -8,6 +8,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace qkv {
 
@@ -24,6 +25,13 @@ enum class StateDictLayout {
 /// Throws c10::Error naming the file and the problem. LibTorch 1.13 cannot read the OrderedDict
 /// that `model.state_dict()` returns; the error then says how to save the file instead.
 std::map<std::string, torch::Tensor> read_tensor_dict(const std::string& path);
+/// The same for a file's bytes; `name` is the file's name in messages.
+std::map<std::string, torch::Tensor> read_tensor_dict(const std::vector<char>& bytes, const std::string& name);
+
+/// Checks that an archive written by torch.save / torch::save (a zip file) is whole: its
+/// directory is readable and every entry matches its recorded CRC-32 (LibTorch 1.13 does not
+/// check these itself). Throws c10::Error naming `path` and the problem.
+void verify_torch_archive(const char* data, size_t size, const std::string& path);
 
 /// Recognises the layout of `tensors` from its key names.
 StateDictLayout detect_layout(const std::map<std::string, torch::Tensor>& tensors);

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Builds qkv's libFuzzer targets with clang (in build-fuzz/, ASan + coverage on qkv's own code)
+# and runs each for a bounded time from the seeds in fuzz/corpus/.
+#   scripts/fuzz.sh [SECONDS_PER_TARGET]     (default 60)
+# A crash stops the script and leaves the input as build-fuzz/crash-*: make it a regression test.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+seconds=${1:-60}
+"$root/scripts/setup.sh"
+if ! command -v clang++ > /dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a > /dev/null 2>&1; then
+  sudo=(); [[ $(id -u) -ne 0 ]] && sudo=(sudo)
+  "${sudo[@]}" apt-get install -y -qq --no-install-recommends clang libclang-rt-14-dev > /dev/null
+fi
+build=$root/build-fuzz
+if [[ ! -f "$build/CMakeCache.txt" ]]; then
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DQKV_FUZZ=ON -DQKV_BUILD_TESTS=OFF -DQKV_INSTALL=OFF -DQKV_SANITIZE=address,fuzzer-no-link > /dev/null
+fi
+cmake --build "$build" --target fuzz_weights_loader fuzz_train_options
+export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
+declare -A seeds=([fuzz_weights_loader]=weights [fuzz_train_options]=options)
+cd "$build"
+for target in fuzz_weights_loader fuzz_train_options; do
+  corpus="$build/corpus-$target"
+  mkdir -p "$corpus"
+  echo "== $target for $seconds s"
+  "$build/fuzz/$target" -max_total_time="$seconds" -rss_limit_mb=4096 -timeout=20 -print_final_stats=1 \
+    "$corpus" "$root/fuzz/corpus/${seeds[$target]}" > "$build/$target.log" 2>&1 ||
+    { tail -40 "$build/$target.log"; echo "fuzz: $target found a problem (input saved in $build)"; exit 1; }
+  grep -E "stat::number_of_executed_units|Done [0-9]+ runs" "$build/$target.log" | tail -2
+done
+echo "fuzz: no crash"

@@ -1,0 +1,86 @@
+// Integrity of the zip archives that torch.save and torch::save write: each entry's bytes must
+// match the CRC-32 that the archive records for it. LibTorch 1.13's reader does not check these,
+// so without this a flipped bit inside a tensor would load silently as a different weight.
+#include <qkv/state_dict.h>
+
+#include <torch/torch.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+
+namespace qkv {
+namespace {
+
+// CRC-32 (IEEE 802.3, as zip uses), table-driven. Written here rather than taken from zlib
+// because the GPU build machine carries no zlib headers.
+uint32_t crc32(const unsigned char* data, size_t size) {
+  static const auto table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  uint32_t c = 0xFFFFFFFFu;
+  for (size_t i = 0; i < size; ++i) c = table[(c ^ data[i]) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+uint32_t read32(const unsigned char* p) { return p[0] | (p[1] << 8) | (p[2] << 16) | (uint32_t(p[3]) << 24); }
+uint16_t read16(const unsigned char* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+}  // namespace
+
+void verify_torch_archive(const char* data, size_t size, const std::string& path) {
+  const auto* bytes = reinterpret_cast<const unsigned char*>(data);
+  constexpr size_t kEndRecord = 22;  // end-of-central-directory record without comment
+  TORCH_CHECK(size >= kEndRecord, path, ": ", size, " bytes is too short for an archive written by torch.save");
+  // The end record sits at the end, followed by at most a 64 KiB comment.
+  size_t end = size - kEndRecord + 1;
+  bool found = false;
+  const size_t lowest = size > kEndRecord + 65535 ? size - kEndRecord - 65535 : 0;
+  while (end-- > lowest) {
+    if (read32(bytes + end) == 0x06054b50u) {
+      found = true;
+      break;
+    }
+  }
+  TORCH_CHECK(found, path, ": no end-of-archive record; the file is truncated or not written by torch.save");
+  const uint16_t entries = read16(bytes + end + 10);
+  const uint32_t directory_size = read32(bytes + end + 12);
+  const uint32_t directory_offset = read32(bytes + end + 16);
+  if (entries == 0xFFFF || directory_offset == 0xFFFFFFFFu) return;  // zip64 (files over 4 GiB): not checked here
+  TORCH_CHECK(uint64_t(directory_offset) + directory_size <= end, path,
+              ": the archive's directory points outside the file; the file is truncated or corrupt");
+  size_t at = directory_offset;
+  for (uint16_t i = 0; i < entries; ++i) {
+    TORCH_CHECK(at + 46 <= end && read32(bytes + at) == 0x02014b50u, path, ": archive directory entry ", i,
+                " is corrupt");
+    const uint16_t method = read16(bytes + at + 10);
+    const uint32_t expected_crc = read32(bytes + at + 16);
+    const uint32_t stored_size = read32(bytes + at + 20);
+    const uint16_t name_length = read16(bytes + at + 28);
+    const uint16_t extra_length = read16(bytes + at + 30);
+    const uint16_t comment_length = read16(bytes + at + 32);
+    const uint32_t local_offset = read32(bytes + at + 42);
+    TORCH_CHECK(at + 46 + name_length <= end, path, ": archive directory entry ", i, " is corrupt");
+    const std::string name(data + at + 46, name_length);
+    at += 46 + name_length + extra_length + comment_length;
+    if (stored_size == 0xFFFFFFFFu || local_offset == 0xFFFFFFFFu) continue;  // zip64 entry
+    // Tensors are stored uncompressed (method 0) and checked here; torch::save also writes
+    // small deflated entries (TorchScript code), which are only bounds-checked.
+    TORCH_CHECK(method == 0 || method == 8, path, ": entry ", name, " uses unknown compression method ", method);
+    TORCH_CHECK(uint64_t(local_offset) + 30 <= size && read32(bytes + local_offset) == 0x04034b50u, path,
+                ": entry ", name, " has no valid local header; the file is corrupt");
+    const size_t payload = local_offset + 30 + read16(bytes + local_offset + 26) + read16(bytes + local_offset + 28);
+    TORCH_CHECK(uint64_t(payload) + stored_size <= size, path, ": entry ", name,
+                " runs past the end of the file; the file is truncated");
+    TORCH_CHECK(method != 0 || crc32(bytes + payload, stored_size) == expected_crc, path, ": entry ", name,
+                " fails its CRC-32 check; the file is corrupt (bit errors or a partial write)");
+  }
+}
+
+}  // namespace qkv
