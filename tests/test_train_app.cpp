@@ -223,7 +223,8 @@ TEST(TrainTasks, DivergingLossStopsWithStepAndHint) {
 TEST(TrainTasks, SigtermWritesACheckpointAndExits143) {
   const auto out = fresh_dir("sigterm");
   const std::string command = std::string(QKV_TRAIN_PATH) + " " + kSmallReverse + "--steps 100000000 --out " +
-                              out.string() + " & pid=$!; sleep 2; kill -TERM $pid; wait $pid; echo exit=$?";
+                              out.string() + " & pid=$!; for i in $(seq 300); do [ -s " + (out / "metrics.csv").string() +
+                              " ] && break; sleep 0.1; done; sleep 0.5; kill -TERM $pid; wait $pid; echo exit=$?";
   auto run = qkv_test::run_command(command);
   EXPECT_THAT(run.output, HasSubstr("exit=143"));
   EXPECT_TRUE(fs::exists(out / "checkpoint.pt"));

@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
       if (config.json) std::cout << summary.dump() << std::endl;
       return 0;
     }
-    qkv_train::install_stop_handlers();
+    qkv_train::install_stop_handlers();  // only around training: elsewhere Ctrl-C stops at once
     auto result = qkv_train::train(config, device);
     if (config.json) {
       std::cout << result.summary.dump() << std::endl;
