@@ -49,16 +49,38 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
     }
   }
   TORCH_CHECK(found, path, ": no end-of-archive record; the file is truncated or not written by torch.save");
-  const uint16_t entries = read16(bytes + end + 10);
-  const uint32_t directory_size = read32(bytes + end + 12);
-  const uint32_t directory_offset = read32(bytes + end + 16);
-  if (entries == 0xFFFF || directory_offset == 0xFFFFFFFFu) return;  // zip64 (files over 4 GiB): not checked here
-  TORCH_CHECK(uint64_t(directory_offset) + directory_size <= end, path,
+  // LibTorch's zip reader (miniz) trusts these records and reads wherever they point, past the end
+  // of the buffer too (found by fuzz/fuzz_weights_loader): check every one before it sees them.
+  TORCH_CHECK(end + kEndRecord + read16(bytes + end + 20) == size, path,
+              ": data after the end-of-archive record; the file is corrupt");
+  TORCH_CHECK(read16(bytes + end + 4) == 0 && read16(bytes + end + 6) == 0 &&
+                  read16(bytes + end + 8) == read16(bytes + end + 10),
+              path, ": the archive claims several disks; the file is corrupt");
+  uint64_t entries = read16(bytes + end + 10);
+  uint64_t directory_size = read32(bytes + end + 12);
+  uint64_t directory_offset = read32(bytes + end + 16);
+  uint64_t directory_end = end;
+  // torch.save writes zip64 end records too: a locator right before the end record pointing at them.
+  if (end >= 20 && read32(bytes + end - 20) == 0x07064b50u) {
+    const uint64_t zip64_end = read32(bytes + end - 20 + 8) | (uint64_t(read32(bytes + end - 20 + 12)) << 32);
+    TORCH_CHECK(zip64_end + 56 <= end - 20 && read32(bytes + zip64_end) == 0x06064b50u, path,
+                ": the zip64 end record is missing or out of place; the file is corrupt");
+    auto read64 = [&](uint64_t at) { return read32(bytes + at) | (uint64_t(read32(bytes + at + 4)) << 32); };
+    entries = read64(zip64_end + 32);
+    directory_size = read64(zip64_end + 40);
+    directory_offset = read64(zip64_end + 48);
+    TORCH_CHECK(read64(zip64_end + 24) == entries, path, ": the zip64 end record is inconsistent; the file is corrupt");
+    directory_end = zip64_end;
+  }
+  TORCH_CHECK(directory_offset <= directory_end && directory_size <= directory_end - directory_offset, path,
               ": the archive's directory points outside the file; the file is truncated or corrupt");
+  TORCH_CHECK(entries <= directory_size / 46, path, ": the archive's directory cannot hold ", entries,
+              " entries; the file is corrupt");
   size_t at = directory_offset;
-  for (uint16_t i = 0; i < entries; ++i) {
-    TORCH_CHECK(at + 46 <= end && read32(bytes + at) == 0x02014b50u, path, ": archive directory entry ", i,
-                " is corrupt");
+  const size_t directory_stop = static_cast<size_t>(directory_offset + directory_size);
+  for (uint64_t i = 0; i < entries; ++i) {
+    TORCH_CHECK(at + 46 <= directory_stop && read32(bytes + at) == 0x02014b50u, path, ": archive directory entry ",
+                i, " is corrupt");
     const uint16_t method = read16(bytes + at + 10);
     const uint32_t expected_crc = read32(bytes + at + 16);
     const uint32_t stored_size = read32(bytes + at + 20);
@@ -66,16 +88,21 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
     const uint16_t extra_length = read16(bytes + at + 30);
     const uint16_t comment_length = read16(bytes + at + 32);
     const uint32_t local_offset = read32(bytes + at + 42);
-    TORCH_CHECK(at + 46 + name_length <= end, path, ": archive directory entry ", i, " is corrupt");
+    TORCH_CHECK(at + 46 + name_length + extra_length + comment_length <= directory_stop, path,
+                ": archive directory entry ", i, " is corrupt");
     const std::string name(data + at + 46, name_length);
     at += 46 + name_length + extra_length + comment_length;
-    if (stored_size == 0xFFFFFFFFu || local_offset == 0xFFFFFFFFu) continue;  // zip64 entry
+    // Sizes and offsets of 0xFFFFFFFF live in a zip64 extra field; such archives (over 4 GiB) are
+    // refused rather than handed unchecked to the reader.
+    TORCH_CHECK(stored_size != 0xFFFFFFFFu && local_offset != 0xFFFFFFFFu, path, ": entry ", name,
+                " needs zip64 sizes, which qkv does not check; files over 4 GiB are not supported");
     // Tensors are stored uncompressed (method 0) and checked here; torch::save also writes
     // small deflated entries (TorchScript code), which are only bounds-checked.
     TORCH_CHECK(method == 0 || method == 8, path, ": entry ", name, " uses unknown compression method ", method);
     TORCH_CHECK(uint64_t(local_offset) + 30 <= size && read32(bytes + local_offset) == 0x04034b50u, path,
                 ": entry ", name, " has no valid local header; the file is corrupt");
-    const size_t payload = local_offset + 30 + read16(bytes + local_offset + 26) + read16(bytes + local_offset + 28);
+    const uint64_t payload =
+        uint64_t(local_offset) + 30 + read16(bytes + local_offset + 26) + read16(bytes + local_offset + 28);
     TORCH_CHECK(uint64_t(payload) + stored_size <= size, path, ": entry ", name,
                 " runs past the end of the file; the file is truncated");
     TORCH_CHECK(method != 0 || crc32(bytes + payload, stored_size) == expected_crc, path, ": entry ", name,

@@ -201,3 +201,22 @@ TEST(CorruptFiles, EveryDamagedWeightsFileIsRefusedOrLoadsIntact) {
 }
 
 }  // namespace
+
+namespace {
+
+// Inputs the fuzzers found crashing LibTorch's zip reader before qkv checked the archive first
+// (scripts/fuzz.sh saves them; each is kept here as it was found).
+TEST(FuzzRegressions, FoundInputsAreRefusedWithAMessage) {
+  const auto dir = std::filesystem::path(qkv_test::data_path("fuzz_regressions"));
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    auto module = small_module();
+    EXPECT_THAT([&] { qkv::load_state_dict(module, entry.path().string()); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr(entry.path().string())))
+        << entry.path();
+    ++count;
+  }
+  EXPECT_GE(count, 1);
+}
+
+}  // namespace
