@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <random>
 
 namespace {
 
@@ -354,6 +355,58 @@ TEST(WeightsApp, BadCommandLinesExitWith2AndRuntimeFailuresWith1) {
     EXPECT_EQ(run.exit_code, expected) << arguments << ": " << run.output;
     EXPECT_THAT(run.output, HasSubstr("qkv-weights:")) << arguments;
   }
+}
+
+}  // namespace
+
+// ---- Damaged checkpoints ----
+
+namespace {
+
+TEST(TrainTasks, DamagedCheckpointsAreRefusedNamingTheFile) {
+  const auto source = fresh_dir("checkpoint_source");
+  ASSERT_EQ(train(kSmallReverse + "--steps 5 --out " + source.string()).exit_code, 0);
+  const auto good = read_file(source / "checkpoint.pt");
+  const auto other = fresh_dir("checkpoint_other");
+  ASSERT_EQ(train("--task lookup --device cpu --steps 3 --quiet --out " + other.string()).exit_code, 0);
+
+  std::vector<std::pair<std::string, std::string>> damaged = {
+      {"empty", ""},
+      {"text", "not a checkpoint\n"},
+      {"weights_not_checkpoint", read_file(source / "model.pt")},
+      {"another_task", read_file(other / "checkpoint.pt")},
+  };
+  std::mt19937 random(7);
+  for (int i = 0; i < 6; ++i) {
+    const size_t cut = std::uniform_int_distribution<size_t>(1, good.size() - 1)(random);
+    damaged.emplace_back("truncated_" + std::to_string(cut), good.substr(0, cut));
+  }
+  for (int i = 0; i < 8; ++i) {
+    auto bytes = good;
+    const size_t at = std::uniform_int_distribution<size_t>(0, good.size() - 1)(random);
+    bytes[at] = static_cast<char>(bytes[at] ^ (1 << (i % 8)));
+    damaged.emplace_back("flipped_" + std::to_string(at), bytes);
+  }
+  for (const auto& [name, bytes] : damaged) {
+    const auto dir = fresh_dir("damaged_" + name);
+    fs::create_directories(dir);
+    std::ofstream(dir / "checkpoint.pt", std::ios::binary) << bytes;
+    fs::copy_file(source / "metrics.csv", dir / "metrics.csv");
+    // For the other task's checkpoint, the command line names this task: an incompatible resume.
+    const std::string task = name == "another_task" ? " --task reverse" : "";
+    auto run = train("--resume " + dir.string() + task + " --steps 6 --quiet", /*merge_stderr=*/true);
+    EXPECT_LT(run.exit_code, 128) << name << " crashed: " << run.output;
+    if (name == "another_task") {
+      EXPECT_EQ(run.exit_code, 2) << run.output;  // refused as incompatible: --task
+      EXPECT_THAT(run.output, HasSubstr("--task")) << run.output;
+    } else if (run.exit_code != 0 || name.rfind("flipped_", 0) != 0) {
+      // Only a flip in the archive's slack may leave a loadable checkpoint.
+      EXPECT_EQ(run.exit_code, 1) << name << ": " << run.output;
+      EXPECT_THAT(run.output, HasSubstr((dir / "checkpoint.pt").string())) << name;
+    }
+    fs::remove_all(dir);
+  }
+  fs::remove_all(source), fs::remove_all(other);
 }
 
 }  // namespace

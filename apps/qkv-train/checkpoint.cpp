@@ -48,6 +48,8 @@ torch::serialize::InputArchive open_archive(const std::string& dir) {
     archive.load_from(bytes.data(), bytes.size());
   } catch (const c10::Error& e) {
     throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {  // TorchScript's ErrorReport, for damage inside compressed entries
+    throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what());
   }
   return archive;
 }
@@ -96,6 +98,8 @@ CheckpointState load_checkpoint(const std::string& dir, qkv::SelfAttention& mode
   } catch (const c10::Error& e) {
     throw std::runtime_error("--resume: cannot load " + (fs::path(dir) / kCheckpointFile).string() + ": " +
                              e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw std::runtime_error("--resume: cannot load " + (fs::path(dir) / kCheckpointFile).string() + ": " + e.what());
   }
 }
 
