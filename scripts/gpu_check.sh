@@ -17,4 +17,22 @@ for dtype in float32 bfloat16; do
 done
 echo "== seed example on CUDA"
 "$train" --task seed --device cuda || status=1
+# Data parallelism with CUDA tensors: 2 processes sharing the one GPU through Gloo, compared with
+# one process on the whole batch; then NCCL, which needs a GPU per process (expected: a clear refusal).
+echo "== qkv-train --nproc 2 --device cuda --dist-backend gloo"
+"$train" --task reverse --device cuda --nproc 2 --dist-backend gloo --steps 200 --save-replicas \
+  --out "$out/ddp-gloo-cuda" --quiet || status=1
+"$train" --task reverse --device cuda --steps 200 --out "$out/single-cuda" --quiet || status=1
+python3 - "$out" <<'PY' || status=1
+import sys, torch
+out = sys.argv[1]
+a, b = (torch.load(f"{out}/ddp-gloo-cuda/replica-{r}.pt") for r in (0, 1))
+c = torch.load(f"{out}/single-cuda/model.pt")
+print("replicas max |diff|:", max((a[k] - b[k]).abs().max().item() for k in a))
+print("2 ranks vs 1 process max |diff|:", max((a[k] - c[k]).abs().max().item() for k in a))
+sys.exit(0 if all(torch.equal(a[k], b[k]) for k in a) else 1)
+PY
+echo "== qkv-train --nproc 2 --device cuda --dist-backend nccl (one GPU: expect a refusal naming the GPU count)"
+"$train" --task reverse --device cuda --nproc 2 --dist-backend nccl --steps 20 --quiet
+echo "exit status $?"
 exit $status

@@ -7,6 +7,7 @@ set -euo pipefail
 packages=(
   cmake ninja-build g++ pkg-config
   libtorch-dev            # LibTorch 1.13.1, CPU
+  libgloo-dev             # headers of c10d's Gloo process group (qkv-train data parallelism)
   libopenblas0-openmp     # without it LibTorch multiplies matrices with the reference BLAS, 50-80x slower
   libspdlog-dev libcli11-dev nlohmann-json3-dev libstb-dev
   libgtest-dev libgmock-dev libbenchmark-dev

@@ -410,3 +410,120 @@ TEST(TrainTasks, DamagedCheckpointsAreRefusedNamingTheFile) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Data-parallel training (qkv-train --nproc, torchrun's environment). Failure cases that need
+// killing processes are in tests/scripts/distributed_test.sh (ctest: train.distributed_failures).
+
+namespace {
+
+// Runs qkv-train with `assignments` (VAR=value ...) as its only distributed environment variables.
+qkv_test::ProcessResult train_in_env(const std::string& assignments, const std::string& arguments,
+                                     bool merge_stderr = false) {
+  return qkv_test::run_command("env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR -u "
+                               "MASTER_PORT " + assignments + " " + QKV_TRAIN_PATH + " " + arguments,
+                               merge_stderr);
+}
+
+// max |a - b| over two files of weights with the same keys.
+double max_weight_difference(const fs::path& a, const fs::path& b) {
+  const auto left = qkv::read_tensor_dict(a.string()), right = qkv::read_tensor_dict(b.string());
+  EXPECT_EQ(left.size(), right.size());
+  double difference = 0;
+  for (const auto& [key, tensor] : left) {
+    difference = std::max(difference, (tensor - right.at(key)).abs().max().item<double>());
+  }
+  return difference;
+}
+
+}  // namespace
+
+TEST(TrainDistributed, TwoGlooRanksEqualOneProcessOnTheWholeBatch) {
+  // float64: the comparison with one process then measures the algorithm, not float32 rounding
+  // (in float32, W_k's bias, whose exact gradient is zero, follows Adam's reading of rounding noise).
+  for (const std::string task : {"reverse", "lookup"}) {
+    const auto job = fresh_dir("ddp_" + task), single = fresh_dir("single_" + task);
+    const std::string args = "--task " + task + " --device cpu --dtype float64 --seq-len 6 --d-model 16 --batch 8 "
+                             "--steps 12 --log-every 1 --eval-every 6 --quiet ";
+    auto run = train_in_env("", "--nproc 2 --save-replicas --out " + job.string() + " " + args, true);
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    ASSERT_EQ(train_in_env("", "--threads 1 --out " + single.string() + " " + args).exit_code, 0);
+
+    EXPECT_EQ(max_weight_difference(job / "replica-0.pt", job / "replica-1.pt"), 0.0) << "replicas differ";
+    EXPECT_LE(max_weight_difference(job / "model.pt", single / "model.pt"), 1e-6) << task;
+    EXPECT_EQ(max_weight_difference(job / "model.pt", job / "replica-0.pt"), 0.0);
+    // Rank 0 logs the loss of the whole batch: the same as one process's, step by step (to the
+    // float32 in which the tasks compute their loss).
+    const auto ddp_losses = losses_by_step(job / "metrics.csv"), single_losses = losses_by_step(single / "metrics.csv");
+    ASSERT_EQ(ddp_losses.size(), 12u);
+    ASSERT_EQ(single_losses.size(), 12u);
+    for (const auto& [step, loss] : single_losses) {
+      EXPECT_NEAR(std::stod(ddp_losses.at(step)), std::stod(loss), 1e-6) << task << " step " << step;
+    }
+    const auto summary = nlohmann::json::parse(read_file(job / "summary.json"));
+    EXPECT_EQ(summary["distributed"]["world_size"], 2);
+    EXPECT_EQ(summary["distributed"]["backend"], "gloo");
+    EXPECT_EQ(summary["distributed"]["examples_per_rank"], 4);
+    EXPECT_FALSE(fs::exists(job / "replica-2.pt"));
+    fs::remove_all(job), fs::remove_all(single);
+  }
+}
+
+TEST(TrainDistributed, Float32ReplicasStayBitIdenticalAndOnlyRankZeroWrites) {
+  const auto job = fresh_dir("ddp_f32");
+  // Different seeds per process cannot split the replicas: rank 0's weights are broadcast at start
+  // and every step applies the same averaged gradient.
+  auto run = train_in_env("", kSmallReverse + "--steps 30 --nproc 2 --save-replicas --json --out " + job.string(),
+                   true);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(max_weight_difference(job / "replica-0.pt", job / "replica-1.pt"), 0.0);
+  // One summary on stdout (rank 0's), not one per rank.
+  const auto first = run.output.find("\"qkv_version\"");
+  ASSERT_NE(first, std::string::npos) << run.output;
+  EXPECT_EQ(run.output.find("\"qkv_version\"", first + 1), std::string::npos) << run.output;
+  for (const char* file : {"metrics.csv", "summary.json", "loss.png", "attention.png", "checkpoint.pt", "model.pt"}) {
+    EXPECT_TRUE(fs::exists(job / file)) << file;
+  }
+  fs::remove_all(job);
+}
+
+TEST(TrainDistributed, ResumedJobEqualsUninterruptedJob) {
+  const auto whole = fresh_dir("ddp_whole"), split = fresh_dir("ddp_split");
+  ASSERT_EQ(train_in_env("", kSmallReverse + "--nproc 2 --steps 30 --log-every 1 --out " + whole.string()).exit_code, 0);
+  ASSERT_EQ(train_in_env("", kSmallReverse + "--nproc 2 --steps 15 --log-every 1 --out " + split.string()).exit_code, 0);
+  auto resumed = train_in_env("", "--nproc 2 --resume " + split.string() + " --steps 30 --quiet", true);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(losses_by_step(split / "metrics.csv"), losses_by_step(whole / "metrics.csv"));
+  fs::remove_all(whole), fs::remove_all(split);
+}
+
+TEST(TrainDistributed, MalformedEnvironmentsAreRefusedNamingTheVariable) {
+  const std::string ok = "MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 ";
+  const std::pair<std::string, std::string> cases[] = {
+      {"RANK=0", "RANK is set but WORLD_SIZE is not"},
+      {"WORLD_SIZE=2", "WORLD_SIZE is set but RANK is not"},
+      {"RANK=0 WORLD_SIZE=two " + ok, "WORLD_SIZE='two': expected a whole number"},
+      {"RANK=-1 WORLD_SIZE=2 " + ok, "RANK='-1': expected a whole number from 0"},
+      {"RANK=2 WORLD_SIZE=2 " + ok, "RANK=2 with WORLD_SIZE=2: expected a rank from 0 to 1"},
+      {"RANK=0 WORLD_SIZE=2 MASTER_PORT=29999", "lacks MASTER_ADDR"},
+      {"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1", "lacks MASTER_PORT"},
+      {"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=70000", "MASTER_PORT='70000': expected a whole number from 1 to 65535"},
+      {"RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 LOCAL_RANK=2 " + ok, "LOCAL_RANK=2 with LOCAL_WORLD_SIZE=2"},
+      {"RANK=0 WORLD_SIZE=3 " + ok, "--batch 8 is the total batch and must divide evenly over the 3 processes"},
+  };
+  for (const auto& [environment, message] : cases) {
+    auto run = train_in_env(environment, kSmallReverse + "--steps 2", true);
+    EXPECT_EQ(run.exit_code, 2) << environment << "\n" << run.output;
+    EXPECT_THAT(run.output, HasSubstr(message)) << environment;
+    EXPECT_EQ(std::count(run.output.begin(), run.output.end(), '\n'), 1) << "one line: " << run.output;
+  }
+  auto nested = train_in_env("RANK=0 WORLD_SIZE=2 " + ok, kSmallReverse + "--nproc 2", true);
+  EXPECT_EQ(nested.exit_code, 2);
+  EXPECT_THAT(nested.output, HasSubstr("--nproc starts its own processes, but RANK and WORLD_SIZE are already set"));
+  auto seed = train_in_env("", "--task seed --nproc 2", true);
+  EXPECT_EQ(seed.exit_code, 2);
+  EXPECT_THAT(seed.output, HasSubstr("--task seed runs in one process"));
+  auto uneven = train_in_env("", kSmallReverse + "--nproc 3", true);
+  EXPECT_EQ(uneven.exit_code, 2);
+  EXPECT_THAT(uneven.output, HasSubstr("--batch 8 is the total batch and must divide evenly over the 3 processes"));
+}

@@ -74,6 +74,17 @@ std::string merge_resumed_options(const CLI::App& app, qkv_train::RunConfig& con
 
 }  // namespace
 
+std::string distributed_option_problem(const RunConfig& config, int world_size) {
+  if (config.task == "seed" || config.task == "scaling") {
+    return "--task " + config.task + " runs in one process; data-parallel training needs --task reverse or lookup";
+  }
+  if (config.batch % world_size != 0) {
+    return "--batch " + std::to_string(config.batch) + " is the total batch and must divide evenly over the " +
+           std::to_string(world_size) + " processes";
+  }
+  return "";
+}
+
 int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   std::string log_level = "info";
   double scale = 0.0;
@@ -129,6 +140,19 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
                  "Start from these weights: a file of Python's torch.save(dict(model.state_dict()), path), in the "
                  "documents' or nn.MultiheadAttention's layout")
       ->check(CLI::ExistingFile);
+  app.add_option("--nproc", config.nproc,
+                 "Data-parallel training on N processes of this machine (as torchrun --nproc_per_node N does); "
+                 "--batch is the total over them")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--dist-backend", config.dist_backend,
+                 "c10d process group of a distributed run (auto: nccl for CUDA when built with it, else gloo)")
+      ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
+  app.add_option("--dist-timeout", config.dist_timeout_s,
+                 "Seconds a rank waits for the others (rendezvous, each collective) before it stops with an error")
+      ->check(CLI::Range(0.1, 86400.0));
+  app.add_flag("--save-replicas", config.save_replicas,
+               "Distributed runs: every rank writes its final weights to OUT/replica-RANK.pt (to check that the "
+               "replicas agree)");
   app.add_flag("--json", config.json, "Print the summary as one JSON object on stdout");
   app.add_flag("--quiet", config.quiet, "No progress display");
   app.add_option("--log-level", log_level, "Log level (the SPDLOG_LEVEL environment variable also works)")
@@ -162,6 +186,11 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
                        "reverse or lookup");
   }
   qkv_train::apply_task_defaults(config);
+  if (config.nproc > 1) {
+    if (const auto problem = distributed_option_problem(config, config.nproc); !problem.empty()) {
+      return usage_error("--nproc " + std::to_string(config.nproc) + ": " + problem);
+    }
+  }
   if (config.task != "seed") {
     if (config.task == "scaling" && config.d_model <= config.seq_len) {
       return usage_error("--task scaling trains reverse and needs --d-model > --seq-len");

@@ -42,7 +42,8 @@ nlohmann::json to_json(const RunConfig& config) {
   json.update({{"device", config.device_name}, {"batch", config.batch},           {"steps", config.steps},
                {"lr", config.lr},              {"seed", config.seed},             {"threads", config.threads},
                {"log_every", config.log_every}, {"eval_every", config.eval_every},
-               {"checkpoint_every", config.checkpoint_every}, {"init_weights", config.init_weights}});
+               {"checkpoint_every", config.checkpoint_every}, {"init_weights", config.init_weights},
+               {"dist_backend", config.dist_backend}, {"dist_timeout_s", config.dist_timeout_s}});
   return json;
 }
 

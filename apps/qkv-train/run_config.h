@@ -34,6 +34,11 @@ struct RunConfig {
   std::string init_weights;  // a torch.save'd dict (documents' or nn.MultiheadAttention layout)
   bool json = false;
   bool quiet = false;
+  // Data parallelism (see distributed.h): ranks come from torchrun's environment or --nproc.
+  int nproc = 1;                   // > 1: start this many ranks on this machine
+  std::string dist_backend = "auto";  // auto | gloo | nccl
+  double dist_timeout_s = 300.0;   // how long a rank waits for the others before giving up
+  bool save_replicas = false;      // every rank writes OUT/replica-RANK.pt
 };
 
 /// Fills the options left at 0 with the task's defaults.

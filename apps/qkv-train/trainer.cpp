@@ -173,7 +173,8 @@ void install_stop_handlers() {
   sigaction(SIGTERM, &action, nullptr);
 }
 
-TrainingResult train(const RunConfig& config, const torch::Device& device) {
+TrainingResult train(const RunConfig& config, const torch::Device& device, DataParallel* parallel) {
+  const bool is_main = parallel == nullptr || parallel->is_main();
   const auto task = make_task(config, device);
   const auto dtype = dtype_from_name(config.dtype_name);
   torch::manual_seed(config.seed);
@@ -191,7 +192,7 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
   std::vector<torch::Tensor> query_key_parameters = model->W_q->parameters();
   for (const auto& p : model->W_k->parameters()) query_key_parameters.push_back(p);
 
-  const fs::path out = config.out_dir;
+  const fs::path out = is_main ? fs::path(config.out_dir) : fs::path();  // ranks other than 0 write nothing
   if (!out.empty()) {
     std::error_code error;
     fs::create_directories(out, error);
@@ -209,6 +210,10 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
     last_loss = state.last_loss;
     metric_lines = read_metrics_lines(fs::path(config.resume_dir) / "metrics.csv", step);
     spdlog::info("resumed from {} at step {}", (fs::path(config.resume_dir) / kCheckpointFile).string(), step);
+  }
+  if (parallel != nullptr) {
+    // Replicas start from rank 0's weights, whatever their seeds or files said.
+    parallel->broadcast_from_main(parameters);
   }
   std::ofstream metrics;
   if (!out.empty()) {
@@ -228,10 +233,13 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
   } else if (isatty(fileno(terminal))) {
     mode = Progress::Mode::Terminal;
   }
+  // Throughput counts the whole batch, over all replicas.
   Progress progress(mode, first_step, config.steps, config.batch * config.seq_len, config.log_every, terminal);
   spdlog::info("task {} on {} ({}): d_model {}, heads {}, seq_len {}, batch {}, steps {}, {} lr {}", config.task,
                device.str(), config.dtype_name, config.d_model, config.heads, config.seq_len, config.batch,
                config.steps, config.optimizer, config.lr);
+  const auto shard = parallel != nullptr ? shard_of(config.batch, parallel->rank(), parallel->world_size())
+                                         : Shard{0, config.batch};
 
   auto save = [&]() {
     if (!out.empty()) {
@@ -252,7 +260,14 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
   int exit_code = 0;
   while (step < config.steps) {
     ++step;
-    const auto batch = task->sample(config.batch, step);
+    // Every replica draws the same batch and trains on its own share of it, so that N replicas
+    // compute what one process would on the whole batch.
+    auto batch = task->sample(config.batch, step);
+    if (shard.size != config.batch) {
+      batch.input = batch.input.narrow(0, shard.begin, shard.size);
+      batch.target = batch.target.narrow(0, shard.begin, shard.size);
+      batch.answer = torch::Tensor();  // evaluation only
+    }
     // Forward pass
     optimizer->zero_grad();
     auto output = model(batch.input);  // (B, N, E)
@@ -260,6 +275,16 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
     // Backward pass
     loss.backward();
     last_loss = loss.item<double>();
+    int stop = stop_signal.load();
+    if (parallel != nullptr) {
+      // Mean gradient of the whole batch; every replica learns the batch's loss and whether any was told to stop.
+      const auto agreed = parallel->average_gradients(parameters, last_loss, stop);
+      last_loss = agreed.mean_loss;
+      if (agreed.stop_signal != 0 && stop == 0) {
+        spdlog::warn("another rank received signal {}: stopping with it", agreed.stop_signal);
+      }
+      stop = agreed.stop_signal;
+    }
     if (!std::isfinite(last_loss)) {
       progress.finish();
       throw TrainingDiverged(fmt::format("step {}: the loss is {}; lower --lr (now {}) or keep the default scale "
@@ -291,12 +316,14 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
       metrics.flush();
     }
     if (config.checkpoint_every > 0 && step % config.checkpoint_every == 0) save();
-    if (const int signal = stop_signal.load()) {
+    if (stop != 0) {
       progress.finish();
-      spdlog::warn("stopped by signal {} after step {}{}", signal, step,
-                   out.empty() ? " (no --out: nothing saved)" : ", checkpoint written");
+      if (is_main) {
+        spdlog::warn("stopped by signal {} after step {}{}", stop, step,
+                     out.empty() ? " (no --out: nothing saved)" : ", checkpoint written");
+      }
       save();
-      exit_code = 128 + signal;
+      exit_code = 128 + stop;
       break;
     }
   }
@@ -322,6 +349,15 @@ TrainingResult train(const RunConfig& config, const torch::Device& device) {
       {"tokens_per_s", progress.tokens_per_second()},
   };
   if (exit_code != 0) summary["stopped_by_signal"] = exit_code - 128;
+  if (parallel != nullptr) {
+    summary["distributed"] = {{"world_size", parallel->world_size()}, {"backend", parallel->backend()},
+                              {"examples_per_rank", shard.size}};
+  }
+  if (parallel != nullptr && config.save_replicas && !config.out_dir.empty()) {
+    std::error_code error;
+    fs::create_directories(config.out_dir, error);
+    qkv::save_state_dict(model, (fs::path(config.out_dir) / ("replica-" + std::to_string(parallel->rank()) + ".pt")).string());
+  }
   if (!out.empty()) {
     if (exit_code == 0) save();
     // The trained weights in PyTorch's format: SelfAttention(d).load_state_dict(torch.load(path)).

@@ -2,6 +2,7 @@
 // evaluation, metrics.csv, summary.json, pictures, checkpoints and resume, signals.
 #pragma once
 
+#include "distributed.h"
 #include "run_config.h"
 
 #include <nlohmann/json.hpp>
@@ -24,6 +25,9 @@ struct TrainingResult {
 /// Installs SIGINT / SIGTERM handlers that let the current step finish.
 void install_stop_handlers();
 
-TrainingResult train(const RunConfig& config, const torch::Device& device);
+/// Trains `config`'s task on `device`. With `parallel`, this process is one data-parallel replica:
+/// it trains on its share of each batch, gradients are averaged over the replicas, and only
+/// rank 0 logs progress and writes into --out.
+TrainingResult train(const RunConfig& config, const torch::Device& device, DataParallel* parallel = nullptr);
 
 }  // namespace qkv_train
