@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, after ../shared/device/run.sh has built qkv against its CUDA LibTorch
 # and run ctest (CUDA tests included). Prepared for one device call:
-#   ../shared/device/prepare.sh      # here, from the project root
+#   scripts/gpu_prepare.sh           # here: the shared kit plus nlohmann-json and Google Benchmark
 #   device run, carry [".device"]:   bash .device/run.sh scripts/gpu_check.sh
-# Runs the training tasks on CUDA in float32 and bfloat16 and prints their summaries.
+# Runs the training tasks on CUDA in float32 and bfloat16, data parallelism with CUDA tensors,
+# and last the benchmark against PyTorch (its table is the end of the output).
 set -uo pipefail
 build=${BUILD:?run through .device/run.sh, which sets BUILD}
 out=${OUT:-/tmp/out}
@@ -35,4 +36,7 @@ PY
 echo "== qkv-train --nproc 2 --device cuda --dist-backend nccl (one GPU: expect a refusal naming the GPU count)"
 "$train" --task reverse --device cuda --nproc 2 --dist-backend nccl --steps 20 --quiet
 echo "exit status $?"
+echo "== scripts/bench.sh --device cuda"
+QKV_BUILD_DIR=$build QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 \
+  scripts/bench.sh --device cuda --rounds 2 --out "$out/bench-cuda.json" || status=1
 exit $status

@@ -124,6 +124,27 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   TORCH_CHECK(key.size(-2) == value.size(-2), "SelfAttention: expected key and value with the same number of "
               "positions S, got key ", key.sizes(), " and value ", value.sizes());
 
+  if (H == 1 && mask.empty()) {
+    // One head, no padding or general mask (the documents' module): attention runs on the
+    // projections as they are, (N, E) or (B, N, E). The head split and join below are views,
+    // but each is an autograd node with a backward: at the documents' sizes they cost more than
+    // the attention itself.
+    auto attention = ScaledDotProductAttentionOptions()
+                         .causal(options.causal())
+                         .scale(options.scale())
+                         .dropout(options.dropout())
+                         .training(is_training())
+                         .need_weights(need_weights)
+                         .backend(need_weights ? AttentionBackend::Math : options.backend());
+    auto result = scaled_dot_product_attention(W_q(query), W_k(key), W_v(value), attention);  // (…, N, E)
+    last_backend_ = result.backend;
+    SelfAttentionOutput out;
+    out.output = W_o ? W_o(result.output) : result.output;
+    if (need_weights) out.weights = result.weights.unsqueeze(-3);  // (B, 1, N, S) / (1, N, S)
+    out.backend = result.backend;
+    return out;
+  }
+
   const auto q_in = batched ? query : query.unsqueeze(0);  // (B, N, E)
   const auto k_in = batched ? key : key.unsqueeze(0);      // (B, S, kdim)
   const auto v_in = batched ? value : value.unsqueeze(0);  // (B, S, vdim)

@@ -1,0 +1,230 @@
+// qkv-bench: qkv's speed on the cases of apps/qkv-bench/cases.json, timed by Google Benchmark.
+// scripts/bench_pytorch.py times the same cases in PyTorch; scripts/bench.sh runs both and
+// prints them side by side.
+//
+//   qkv-bench [--device cpu|cuda] [--threads N] [--list] [Google Benchmark flags]
+//   e.g. qkv-bench --benchmark_filter='^toy_train_step$' --benchmark_format=json
+//
+// Each case reports per-iteration time, FLOP/s (counted as FlashAttention's papers do, see
+// flop_count) and peak memory (CUDA: the caching allocator's peak of allocated bytes; CPU: the
+// process's peak resident set, which includes LibTorch itself).
+#include "bench_cases.h"
+
+#include <qkv/qkv.h>
+
+#include <CLI/CLI.hpp>
+#include <benchmark/benchmark.h>
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#if defined(QKV_BENCH_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Case {
+  std::string name, device, kind, impl, dtype;
+  int64_t batch = 0, seq_len = 0, d_model = 0, heads = 1, head_dim = 0;
+  bool causal = false;
+};
+
+Case parse_case(const nlohmann::json& j) {
+  Case c;
+  c.name = j.at("name");
+  c.device = j.at("device");
+  c.kind = j.at("kind");
+  c.impl = j.value("impl", "");
+  c.dtype = j.at("dtype");
+  c.batch = j.at("batch");
+  c.seq_len = j.at("seq_len");
+  c.d_model = j.value("d_model", int64_t{0});
+  c.heads = j.value("heads", int64_t{1});
+  c.head_dim = j.value("head_dim", c.heads > 0 && c.d_model > 0 ? c.d_model / c.heads : int64_t{0});
+  c.causal = j.value("causal", false);
+  return c;
+}
+
+bool is_core(const Case& c) { return c.kind.rfind("core_", 0) == 0; }
+bool has_backward(const Case& c) { return c.kind != "module_forward" && c.kind != "core_forward"; }
+
+// FLOPs of one iteration, as FlashAttention's papers count them: attention forward 4·B·H·N²·D
+// (halved when causal), backward 2.5× forward; each projection 2·tokens·E_in·E_out forward and
+// twice that backward (the input's and the weight's gradients). Adam and the loss are not counted.
+double flop_count(const Case& c) {
+  const double batch = static_cast<double>(std::max<int64_t>(c.batch, 1));
+  const double n = static_cast<double>(c.seq_len), h = static_cast<double>(c.heads),
+               d = static_cast<double>(c.head_dim);
+  double attention = 4.0 * batch * h * n * n * d * (c.causal ? 0.5 : 1.0);
+  double projections = is_core(c) ? 0.0 : 3.0 * 2.0 * batch * n * static_cast<double>(c.d_model * c.d_model);
+  if (has_backward(c)) {
+    attention *= 1.0 + 2.5;
+    projections *= 1.0 + 2.0;
+  }
+  return attention + projections;
+}
+
+torch::ScalarType dtype_of(const std::string& name) {
+  if (name == "bfloat16") return torch::kBFloat16;
+  if (name == "float16") return torch::kHalf;
+  if (name == "float64") return torch::kDouble;
+  return torch::kFloat;
+}
+
+// One iteration of `c`, with everything it needs built once.
+std::function<void()> make_iteration(const Case& c, const torch::Device& device) {
+  torch::manual_seed(0);
+  const auto options = torch::TensorOptions().device(device).dtype(dtype_of(c.dtype));
+  if (is_core(c)) {
+    // q, k, v: (B, H, N, D), as the attention core sees them inside the module.
+    const std::vector<int64_t> shape{std::max<int64_t>(c.batch, 1), c.heads, c.seq_len, c.head_dim};
+    const bool backward = has_backward(c);
+    auto q = torch::randn(shape, options).requires_grad_(backward);
+    auto k = torch::randn(shape, options).requires_grad_(backward);
+    auto v = torch::randn(shape, options).requires_grad_(backward);
+    auto grad_output = torch::randn(shape, options);
+    const auto core_options = qkv::ScaledDotProductAttentionOptions().causal(c.causal).backend(
+        c.impl == "fused" ? qkv::AttentionBackend::Fused : qkv::AttentionBackend::Math);
+    return [=]() mutable {
+      auto out = qkv::scaled_dot_product_attention(q, k, v, core_options).output;
+      if (backward) {
+        q.mutable_grad() = torch::Tensor(), k.mutable_grad() = torch::Tensor(), v.mutable_grad() = torch::Tensor();
+        out.backward(grad_output);
+      }
+    };
+  }
+  auto model = qkv::SelfAttention(qkv::SelfAttentionOptions(c.d_model).num_heads(c.heads).causal(c.causal));
+  model->to(device, dtype_of(c.dtype));
+  const auto input_shape = c.batch > 0 ? std::vector<int64_t>{c.batch, c.seq_len, c.d_model}
+                                       : std::vector<int64_t>{c.seq_len, c.d_model};
+  auto x = torch::randn(input_shape, options);
+  auto target = torch::randn(input_shape, options);
+  if (c.kind == "module_forward") {
+    return [=]() mutable {
+      torch::NoGradGuard no_grad;
+      model->forward(x);
+    };
+  }
+  if (c.kind == "module_forward_backward") {
+    return [=]() mutable {
+      model->zero_grad();
+      torch::mse_loss(model->forward(x), target).backward();
+    };
+  }
+  auto optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
+  return [=]() mutable {  // train_step: the documents' step plus the optimizer
+    optimizer->zero_grad();
+    auto loss = torch::mse_loss(model->forward(x), target);
+    loss.backward();
+    optimizer->step();
+  };
+}
+
+double peak_resident_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) * 1024.0;  // Linux: kilobytes
+}
+
+void run_case(benchmark::State& state, const Case& c, const torch::Device& device) {
+  std::function<void()> iteration;
+  try {
+    iteration = make_iteration(c, device);
+    for (int i = 0; i < 3; ++i) iteration();  // warm-up: allocator, kernels' first-call costs
+    if (device.is_cuda()) torch::cuda::synchronize();
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+    return;
+  }
+#if defined(QKV_BENCH_CUDA)
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+  for (auto _ : state) {
+    if (device.is_cuda()) {
+      // Device work is asynchronous: time to the end of it, with the launch included.
+      const auto start = std::chrono::steady_clock::now();
+      iteration();
+      torch::cuda::synchronize();
+      state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    } else {
+      iteration();
+    }
+  }
+  state.counters["FLOPS"] = benchmark::Counter(flop_count(c), benchmark::Counter::kIsIterationInvariantRate);
+  double peak = peak_resident_bytes();
+#if defined(QKV_BENCH_CUDA)
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    peak = static_cast<double>(stats.allocated_bytes[0].peak);
+  }
+#endif
+  state.counters["peak_memory_bytes"] = peak;
+  state.SetLabel(c.device + " " + c.dtype);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);  // takes the --benchmark_* flags out of argv
+  CLI::App app{"qkv-bench: qkv's speed on the cases of apps/qkv-bench/cases.json (Google Benchmark; its "
+               "--benchmark_* flags work too)",
+               "qkv-bench"};
+  app.option_defaults()->always_capture_default();
+  std::string device_name = "cpu";
+  int threads = 0;
+  bool list = false;
+  app.add_option("--device", device_name, "Run the cases of this device")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--threads", threads, "CPU threads for LibTorch (0 = its default)")->check(CLI::Range(0, 1024));
+  app.add_flag("--list", list, "Print the cases of --device, one per line, and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "qkv-bench: error: %s (see --help)\n", e.what());
+    return 2;
+  }
+  if (device_name == "cuda" && !torch::cuda::is_available()) {
+    std::fprintf(stderr, "qkv-bench: --device cuda: no CUDA device is available to this LibTorch (%s)\n",
+                 TORCH_VERSION);
+    return 1;
+  }
+  if (threads > 0) torch::set_num_threads(threads);
+  const torch::Device device = device_name == "cuda" ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+
+  const auto all = nlohmann::json::parse(qkv_bench::kCasesJson)["cases"];
+  for (const auto& entry : all) {
+    const auto c = parse_case(entry);
+    if (c.device != device_name) continue;
+    if (list) {
+      std::printf("%s\n", c.name.c_str());
+      continue;
+    }
+    auto* registered = benchmark::RegisterBenchmark(
+        c.name.c_str(), [c, device](benchmark::State& state) { run_case(state, c, device); });
+    registered->Unit(benchmark::kMillisecond);
+    if (device.is_cuda()) {
+      registered->UseManualTime();
+    } else {
+      registered->UseRealTime();
+    }
+  }
+  if (list) return 0;
+  benchmark::AddCustomContext("torch_version", TORCH_VERSION);
+  benchmark::AddCustomContext("torch_threads", std::to_string(torch::get_num_threads()));
+  benchmark::AddCustomContext("device", device.str());
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

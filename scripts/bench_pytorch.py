@@ -1,0 +1,189 @@
+"""PyTorch's side of qkv's benchmark: the cases of apps/qkv-bench/cases.json, timed in Python.
+
+For each case every PyTorch implementation the installed torch has is timed:
+  documents  the documents' SelfAttention class as written (split into heads when heads > 1:
+             the same three Linear maps, the same matmul-softmax-matmul per head);
+  sdpa       the same module with F.scaled_dot_product_attention (torch >= 2.0).
+Core cases time the attention alone: "documents" = softmax(q kᵀ / √d) v, "sdpa" = F.sdpa.
+
+Timing follows Google Benchmark's protocol in qkv-bench: 3 warm-up iterations, then repetitions
+of as many iterations as fill --min-time seconds; per repetition the mean time per iteration.
+On CUDA each iteration is synchronized, so device work is counted.
+
+  /usr/bin/python3 scripts/bench_pytorch.py --device cpu --threads 2 --case toy_train_step
+  prints one JSON object: {"case": ..., "results": [{"impl", "times_s", "median_s", "flops_per_s", "peak_memory_bytes"}]}
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "apps", "qkv-bench", "cases.json")
+HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
+
+
+class SelfAttention(nn.Module):
+    """The documents' module as written; `heads` > 1 splits Q, K, V into heads."""
+
+    def __init__(self, d_model, heads=1, causal=False, use_sdpa=False):
+        super().__init__()
+        self.W_q = nn.Linear(d_model, d_model)
+        self.W_k = nn.Linear(d_model, d_model)
+        self.W_v = nn.Linear(d_model, d_model)
+        self.heads, self.causal, self.use_sdpa = heads, causal, use_sdpa
+
+    def forward(self, x):
+        Q, K, V = self.W_q(x), self.W_k(x), self.W_v(x)
+        if self.heads == 1 and not self.causal and not self.use_sdpa:
+            scores = Q @ K.transpose(-2, -1) / (K.size(-1) ** 0.5)
+            attn_weights = F.softmax(scores, dim=-1)
+            return attn_weights @ V
+        *lead, n, e = x.shape
+        split = lambda t: t.reshape(*lead, n, self.heads, e // self.heads).transpose(-3, -2)  # (..., H, N, D)
+        out = attention(split(Q), split(K), split(V), self.causal, self.use_sdpa)
+        return out.transpose(-3, -2).reshape(*lead, n, e)
+
+
+def attention(q, k, v, causal, use_sdpa):
+    if use_sdpa:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    scores = q @ k.transpose(-2, -1) / (k.size(-1) ** 0.5)
+    if causal:
+        n = q.size(-2)
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return F.softmax(scores, dim=-1) @ v
+
+
+def flop_count(case):
+    """As qkv-bench's flop_count (FlashAttention's papers' convention)."""
+    batch = max(case["batch"], 1)
+    n, h = case["seq_len"], case.get("heads", 1)
+    d = case.get("head_dim", case.get("d_model", 0) // h)
+    attention_flops = 4.0 * batch * h * n * n * d * (0.5 if case.get("causal") else 1.0)
+    core = case["kind"].startswith("core_")
+    projections = 0.0 if core else 3 * 2.0 * batch * n * case["d_model"] ** 2
+    if case["kind"] not in ("module_forward", "core_forward"):
+        attention_flops *= 3.5
+        projections *= 3.0
+    return attention_flops + projections
+
+
+def make_iteration(case, impl, device):
+    torch.manual_seed(0)
+    dtype = getattr(torch, case["dtype"])
+    use_sdpa = impl == "sdpa"
+    backward = case["kind"] not in ("module_forward", "core_forward")
+    if case["kind"].startswith("core_"):
+        shape = (max(case["batch"], 1), case["heads"], case["seq_len"], case["head_dim"])
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(3))
+        grad_output = torch.randn(shape, device=device, dtype=dtype)
+        causal = case.get("causal", False)
+
+        def core():
+            if not backward:
+                with torch.no_grad():
+                    attention(q, k, v, causal, use_sdpa)
+                return
+            q.grad = k.grad = v.grad = None
+            attention(q, k, v, causal, use_sdpa).backward(grad_output)
+
+        return core
+
+    model = SelfAttention(case["d_model"], case.get("heads", 1), case.get("causal", False), use_sdpa)
+    model.to(device=device, dtype=dtype)
+    shape = (case["batch"], case["seq_len"], case["d_model"]) if case["batch"] else (case["seq_len"], case["d_model"])
+    x = torch.randn(shape, device=device, dtype=dtype)
+    target = torch.randn(shape, device=device, dtype=dtype)
+    if case["kind"] == "module_forward":
+        def forward():
+            with torch.no_grad():
+                model(x)
+        return forward
+    if case["kind"] == "module_forward_backward":
+        def forward_backward():
+            model.zero_grad()
+            F.mse_loss(model(x), target).backward()
+        return forward_backward
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def train_step():  # the documents' step plus the optimizer
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), target)
+        loss.backward()
+        optimizer.step()
+
+    return train_step
+
+
+def time_case(case, impl, device, min_time, repetitions):
+    iteration = make_iteration(case, impl, device)
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        iteration()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    # As Google Benchmark: grow the iteration count until one repetition fills min_time.
+    iterations, elapsed = 1, 0.0
+    while True:
+        start = time.perf_counter()
+        for _ in range(iterations):
+            iteration()
+            sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time or iterations >= 10**9:
+            break
+        iterations = max(iterations + 1, min(iterations * 10, int(iterations * min_time * 1.4 / max(elapsed, 1e-9))))
+    times = [elapsed / iterations]
+    for _ in range(repetitions - 1):
+        start = time.perf_counter()
+        for _ in range(iterations):
+            iteration()
+            sync()
+        times.append((time.perf_counter() - start) / iterations)
+    median = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"impl": impl, "iterations": iterations, "times_s": times, "median_s": median,
+            "flops_per_s": flop_count(case) / median, "peak_memory_bytes": peak}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    parser.add_argument("--case", required=True, help="a case name from apps/qkv-bench/cases.json")
+    parser.add_argument("--min-time", type=float, default=0.5, help="seconds per repetition")
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--impl", choices=["documents", "sdpa"], action="append",
+                        help="only these implementations (default: every one this torch has)")
+    args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    with open(CASES) as file:
+        cases = {c["name"]: c for c in json.load(file)["cases"]}
+    if args.case not in cases:
+        sys.exit(f"bench_pytorch.py: no case {args.case!r}; cases: {', '.join(cases)}")
+    case = cases[args.case]
+    if case["device"] != args.device:
+        sys.exit(f"bench_pytorch.py: case {args.case} is a {case['device']} case, not {args.device}")
+    device = "cuda" if args.device == "cuda" else "cpu"
+    available = ["documents", "sdpa"] if HAS_SDPA else ["documents"]
+    impls = [i for i in (args.impl or case.get("pytorch_impls", available)) if i in available]
+    if not impls:
+        sys.exit(f"bench_pytorch.py: torch {torch.__version__} has none of {case.get('pytorch_impls')} for {args.case}")
+    results = [time_case(case, impl, device, args.min_time, args.repetitions) for impl in impls]
+    print(json.dumps({"case": args.case, "torch_version": torch.__version__, "threads": torch.get_num_threads(),
+                      "python": sys.version.split()[0], "results": results}))
+
+
+if __name__ == "__main__":
+    main()
