@@ -89,6 +89,16 @@ void check_input(const char* name, const torch::Tensor& input, int64_t rank, int
 
 }  // namespace
 
+ScaledDotProductAttentionOptions SelfAttentionImpl::attention_options(bool need_weights) const {
+  return ScaledDotProductAttentionOptions()
+      .causal(options.causal())
+      .scale(options.scale())
+      .dropout(options.dropout())
+      .training(is_training())
+      .need_weights(need_weights)
+      .backend(need_weights ? AttentionBackend::Math : options.backend());  // only math returns weights
+}
+
 SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const torch::Tensor& key,
                                               const torch::Tensor& value, const AttentionMask& mask,
                                               bool need_weights) {
@@ -129,14 +139,8 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
     // projections as they are, (N, E) or (B, N, E). The head split and join below are views,
     // but each is an autograd node with a backward: at the documents' sizes they cost more than
     // the attention itself.
-    auto attention = ScaledDotProductAttentionOptions()
-                         .causal(options.causal())
-                         .scale(options.scale())
-                         .dropout(options.dropout())
-                         .training(is_training())
-                         .need_weights(need_weights)
-                         .backend(need_weights ? AttentionBackend::Math : options.backend());
-    auto result = scaled_dot_product_attention(W_q(query), W_k(key), W_v(value), attention);  // (…, N, E)
+    auto result = scaled_dot_product_attention(W_q(query), W_k(key), W_v(value),
+                                               attention_options(need_weights));  // (…, N, E)
     last_backend_ = result.backend;
     SelfAttentionOutput out;
     out.output = W_o ? W_o(result.output) : result.output;
@@ -157,14 +161,8 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   auto k = W_k(k_in).view({B, S, H, D}).transpose(1, 2);  // (B, H, S, D)
   auto v = W_v(v_in).view({B, S, H, D}).transpose(1, 2);  // (B, H, S, D)
 
-  ScaledDotProductAttentionOptions attention;
-  attention.mask(detail::merge_attention_mask(mask, batched, B, H, N, S, q.scalar_type(), q.device()))
-      .causal(options.causal())
-      .scale(options.scale())
-      .dropout(options.dropout())
-      .training(is_training())
-      .need_weights(need_weights)
-      .backend(need_weights ? AttentionBackend::Math : options.backend());
+  auto attention = attention_options(need_weights).mask(
+      detail::merge_attention_mask(mask, batched, B, H, N, S, q.scalar_type(), q.device()));
   auto result = scaled_dot_product_attention(q, k, v, attention);
   last_backend_ = result.backend;
 

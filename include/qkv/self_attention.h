@@ -59,6 +59,9 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
   torch::nn::Linear W_o{nullptr};  // only when options.out_proj()
 
  private:
+  /// The module's options as the attention core's (no mask: the caller adds it).
+  ScaledDotProductAttentionOptions attention_options(bool need_weights) const;
+
   AttentionBackend last_backend_ = AttentionBackend::Auto;
 };
 

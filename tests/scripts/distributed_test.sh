@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Data-parallel failures and launchers, on loopback (ctest: train.distributed_failures):
 #  1. a rank SIGKILLed mid-run: the other exits non-zero within --dist-timeout, naming the collective;
-#  2. a rank that never arrives: the one that did exits non-zero within about twice --dist-timeout;
+#  2. a rank that never arrives: the one that did exits non-zero within a bound (3 × --dist-timeout + 10 s,
+#     start-up included; measured 7.9 s with a 3 s timeout);
 #  3. SIGTERM to `qkv-train --nproc 2`: every rank stops at the same step, rank 0 writes a checkpoint, exit 143;
 #  4. torchrun --no_python (when /usr/bin/torchrun exists): a 2-process job succeeds.
 #   tests/scripts/distributed_test.sh QKV_TRAIN
@@ -45,7 +46,7 @@ status=$?
 took=$(elapsed "$start")
 echo "rank 1 missing: rank 0 exited with $status after $took s: $(cat "$work/alone.err")"
 [[ $status -ne 0 ]] || fail "rank 0 exited 0 without its peer"
-awk -v t="$took" 'BEGIN { exit !(t <= 3 * 2 + 5) }' || fail "rank 0 waited $took s with --dist-timeout 3"
+awk -v t="$took" 'BEGIN { exit !(t <= 3 * 3 + 10) }' || fail "rank 0 waited $took s with --dist-timeout 3"
 grep -q "were all 2 ranks started" "$work/alone.err" || fail "the message does not say what to check"
 unset MASTER_ADDR MASTER_PORT WORLD_SIZE
 
