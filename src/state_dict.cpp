@@ -161,22 +161,27 @@ void load_state_dict(SelfAttention& module, const std::string& path) {
   load_state_dict(module, read_tensor_dict(path), path);
 }
 
-void save_state_dict(const SelfAttention& module, const std::string& path) {
+void save_tensor_dict(const std::map<std::string, torch::Tensor>& tensors, const std::string& path) {
   c10::Dict<std::string, torch::Tensor> dict;
-  for (const auto& item : module->named_parameters()) {
-    dict.insert(item.key(), item.value().detach().to(torch::kCPU).contiguous());
-  }
+  for (const auto& [name, tensor] : tensors) dict.insert(name, tensor.detach().to(torch::kCPU).contiguous());
   const auto bytes = torch::pickle_save(c10::IValue(dict));
   const std::string temporary = path + ".tmp";
   {
     std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
-    TORCH_CHECK(file.good(), "save_state_dict: cannot write ", temporary);
+    TORCH_CHECK(file.good(), "save_tensor_dict: cannot write ", temporary);
     file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     file.close();
-    TORCH_CHECK(file.good(), "save_state_dict: writing ", temporary, " failed");
+    if (!file.good()) std::remove(temporary.c_str());
+    TORCH_CHECK(file.good(), "save_tensor_dict: writing ", temporary, " failed");
   }
-  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "save_state_dict: cannot rename ", temporary, " to ",
+  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "save_tensor_dict: cannot rename ", temporary, " to ",
               path);
+}
+
+void save_state_dict(const SelfAttention& module, const std::string& path) {
+  std::map<std::string, torch::Tensor> tensors;
+  for (const auto& item : module->named_parameters()) tensors.emplace(item.key(), item.value());
+  save_tensor_dict(tensors, path);
 }
 
 }  // namespace qkv

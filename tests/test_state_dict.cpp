@@ -79,6 +79,20 @@ TEST(StateDict, SavedFileReadsBackWithTheDocumentsKeys) {
   }
 }
 
+TEST(StateDict, FailedSaveLeavesNoFileAndNamesThePath) {
+  const auto dir = std::filesystem::temp_directory_path() / "qkv_no_such_dir_for_save";
+  std::filesystem::remove_all(dir);
+  const auto path = (dir / "out.pt").string();
+  try {
+    qkv::save_tensor_dict({{"output", torch::ones({2, 2})}}, path);
+    FAIL() << "saving into a missing folder succeeded";
+  } catch (const c10::Error& error) {
+    EXPECT_THAT(error.what_without_backtrace(), HasSubstr(path + ".tmp"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+}
+
 TEST(StateDict, WrongKeysAreListedAndNothingIsLoaded) {
   torch::manual_seed(4);
   qkv::SelfAttention module(qkv::SelfAttentionOptions(16).num_heads(4));  // no out_proj

@@ -128,12 +128,7 @@ int main(int argc, char** argv) {
       torch::NoGradGuard no_grad;
       const auto result = module(inputs.at("query").to(module->W_q->weight.scalar_type()),
                                  context.defined() ? context.to(module->W_q->weight.scalar_type()) : context);
-      c10::Dict<std::string, torch::Tensor> dict;
-      dict.insert("output", result);
-      const auto bytes = torch::pickle_save(c10::IValue(dict));
-      std::ofstream file(output, std::ios::binary | std::ios::trunc);
-      file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-      if (!file) throw std::runtime_error("cannot write " + output);
+      qkv::save_tensor_dict({{"output", result}}, output);
       if (!out.empty()) qkv::save_state_dict(module, out);
     }
   } catch (const c10::Error& e) {

@@ -45,6 +45,11 @@ void load_state_dict(SelfAttention& module, const std::map<std::string, torch::T
 /// read_tensor_dict + load_state_dict.
 void load_state_dict(SelfAttention& module, const std::string& path);
 
+/// Writes `tensors` as a dict {name: tensor} (moved to the CPU) in the format of Python's
+/// torch.save, so that `torch.load(path)` reads it; the counterpart of read_tensor_dict. Written
+/// to a temporary name, then renamed: a failure never leaves a half-written file at `path`.
+void save_tensor_dict(const std::map<std::string, torch::Tensor>& tensors, const std::string& path);
+
 /// Writes the module's parameters as a dict {name: tensor} (CPU, same dtype) in the format of
 /// Python's torch.save, with the documents' key names: `SelfAttention(d).load_state_dict(
 /// torch.load(path))` works in Python. Written to a temporary name, then renamed.
