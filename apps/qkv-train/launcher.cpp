@@ -115,12 +115,15 @@ int launch_local_job(int nproc, const std::vector<std::string>& arguments, std::
   bool killing = false;  // SIGTERM sent to the survivors; SIGKILL once kill_after passes
   auto kill_after = std::chrono::steady_clock::now();
   int last_forwarded = 0;
+  const auto signal_running_ranks = [&](int signal) {
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      if (!done[i]) ::kill(ranks[i], signal);
+    }
+  };
   while (running > 0) {
     if (const int signal = forwarded_signal.load(); signal != 0 && signal != last_forwarded) {
       last_forwarded = signal;
-      for (size_t i = 0; i < ranks.size(); ++i) {
-        if (!done[i]) ::kill(ranks[i], signal);
-      }
+      signal_running_ranks(signal);
     }
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, WNOHANG);
@@ -134,9 +137,7 @@ int launch_local_job(int nproc, const std::vector<std::string>& arguments, std::
           result = code;
           if (running > 0 && last_forwarded == 0) {
             spdlog::error("--nproc: rank {} exited with status {}; stopping the other ranks", i, code);
-            for (size_t j = 0; j < ranks.size(); ++j) {
-              if (!done[j]) ::kill(ranks[j], SIGTERM);
-            }
+            signal_running_ranks(SIGTERM);
             kill_after = std::chrono::steady_clock::now() + grace;
             killing = true;
           }
@@ -146,9 +147,7 @@ int launch_local_job(int nproc, const std::vector<std::string>& arguments, std::
     }
     if (pid < 0 && errno != EINTR) break;
     if (killing && std::chrono::steady_clock::now() > kill_after) {
-      for (size_t j = 0; j < ranks.size(); ++j) {
-        if (!done[j]) ::kill(ranks[j], SIGKILL);
-      }
+      signal_running_ranks(SIGKILL);
       killing = false;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

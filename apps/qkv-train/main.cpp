@@ -97,8 +97,8 @@ int main(int argc, char** argv) {
       return 2;
     }
     try {
-      const auto grace = std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout_s * 1000));
-      return qkv_train::launch_local_job(config.nproc, qkv_train::arguments_without_nproc(argc, argv), grace);
+      return qkv_train::launch_local_job(config.nproc, qkv_train::arguments_without_nproc(argc, argv),
+                                         config.dist_timeout());
     } catch (const std::exception& e) {
       std::fprintf(stderr, "qkv-train: %s\n", e.what());
       return 1;
@@ -139,8 +139,7 @@ int main(int argc, char** argv) {
     std::unique_ptr<qkv_train::DataParallel> parallel;
     if (distributed) {
       const auto backend = pick_backend(config, device, *env);
-      const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout_s * 1000));
-      parallel = std::make_unique<qkv_train::DataParallel>(*env, backend, timeout);
+      parallel = std::make_unique<qkv_train::DataParallel>(*env, backend, config.dist_timeout());
       spdlog::info("data parallel: {} processes, {} process group, {} examples each, {} threads per process",
                    env->world_size, backend, config.batch / env->world_size, torch::get_num_threads());
     }

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -39,6 +40,10 @@ struct RunConfig {
   std::string dist_backend = "auto";  // auto | gloo | nccl
   double dist_timeout_s = 300.0;   // how long a rank waits for the others before giving up
   bool save_replicas = false;      // every rank writes OUT/replica-RANK.pt
+
+  std::chrono::milliseconds dist_timeout() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_s * 1000));
+  }
 };
 
 /// Fills the options left at 0 with the task's defaults.

@@ -328,6 +328,13 @@ TrainingResult train(const RunConfig& config, const torch::Device& device, DataP
     }
   }
   if (exit_code == 0) progress.finish();
+  if (parallel != nullptr && config.save_replicas && !config.out_dir.empty()) {
+    std::error_code error;
+    fs::create_directories(config.out_dir, error);
+    qkv::save_state_dict(model, (fs::path(config.out_dir) / ("replica-" + std::to_string(parallel->rank()) + ".pt")).string());
+  }
+  // The final evaluation and the summary are rank 0's to report; the other replicas are identical.
+  if (!is_main) return {nlohmann::json::object(), exit_code};
 
   const auto evaluation = evaluate(model, *task, eval_batch);
   nlohmann::json summary = {
@@ -352,11 +359,6 @@ TrainingResult train(const RunConfig& config, const torch::Device& device, DataP
   if (parallel != nullptr) {
     summary["distributed"] = {{"world_size", parallel->world_size()}, {"backend", parallel->backend()},
                               {"examples_per_rank", shard.size}};
-  }
-  if (parallel != nullptr && config.save_replicas && !config.out_dir.empty()) {
-    std::error_code error;
-    fs::create_directories(config.out_dir, error);
-    qkv::save_state_dict(model, (fs::path(config.out_dir) / ("replica-" + std::to_string(parallel->rank()) + ".pt")).string());
   }
   if (!out.empty()) {
     if (exit_code == 0) save();

@@ -18,7 +18,7 @@ class TrainingDiverged : public std::runtime_error {
 };
 
 struct TrainingResult {
-  nlohmann::json summary;
+  nlohmann::json summary;  // empty on data-parallel ranks other than 0, which report nothing
   int exit_code = 0;  // 0, or 128 + signal when SIGINT / SIGTERM stopped the run
 };
 
