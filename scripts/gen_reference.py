@@ -11,7 +11,13 @@ The reference is written here independently of qkv's C++ code:
   softmax over the keys it may see, in plain Python loops, so it shares no tensor trick with qkv;
   it is itself checked against the documents' class and against torch.nn.MultiheadAttention.
 
-Run with the interpreter that has PyTorch:  /usr/bin/python3 scripts/gen_reference.py
+The decoder features (grouped-query heads, rotary positions, the Transformer block) have their
+own reference, `DecoderAttention` and `Block`, written in plain tensor code: K and V repeated for
+each group of query heads, RoPE as Hugging Face's LLaMA writes it (cat(θ, θ) and rotate_half). It
+is checked here against the loop reference (without RoPE) and, where the installed torch has it,
+against F.scaled_dot_product_attention(enable_gqa=True).
+
+Run with the interpreter that has PyTorch:  /usr/bin/python3 scripts/gen_reference.py [--decoder-only | --check-only]
 The files are small and committed; the C++ tests never need Python.
 """
 import json
@@ -240,8 +246,152 @@ def interop_cases():
     print("wrote tests/data/interop_*.pt")
 
 
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, offset, base):
+    """x (B, H, N, D) at positions offset .. offset + N - 1, as Hugging Face's LLaMA (angles in float64)."""
+    D = x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    positions = torch.arange(offset, offset + x.shape[-2], dtype=torch.float64)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
+
+
+class DecoderAttention(nn.Module):
+    """Attention with num_kv_heads key/value heads (each shared by a group of query heads), RoPE,
+    causal mask, optional W_o: the decoder reference, in plain tensor code."""
+
+    def __init__(self, d_model, num_heads, num_kv_heads=None, rope=False, rope_base=10000.0, causal=False,
+                 out_proj=False, bias=True):
+        super().__init__()
+        self.H, self.Hkv = num_heads, num_kv_heads or num_heads
+        self.D = d_model // num_heads
+        self.rope, self.rope_base, self.causal = rope, rope_base, causal
+        self.W_q = nn.Linear(d_model, d_model, bias=bias)
+        self.W_k = nn.Linear(d_model, self.Hkv * self.D, bias=bias)
+        self.W_v = nn.Linear(d_model, self.Hkv * self.D, bias=bias)
+        self.W_o = nn.Linear(d_model, d_model, bias=bias) if out_proj else None
+
+    def project(self, x, offset=0):
+        B, N, _ = x.shape
+        q = self.W_q(x).view(B, N, self.H, self.D).transpose(1, 2)
+        k = self.W_k(x).view(B, N, self.Hkv, self.D).transpose(1, 2)
+        v = self.W_v(x).view(B, N, self.Hkv, self.D).transpose(1, 2)
+        if self.rope:
+            q, k = apply_rope(q, offset, self.rope_base), apply_rope(k, offset, self.rope_base)
+        return q, k, v
+
+    def forward(self, x):
+        B, N, E = x.shape
+        q, k, v = self.project(x)
+        groups = self.H // self.Hkv
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # one per query head
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.D)
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        out = (weights @ v).transpose(1, 2).reshape(B, N, E)
+        if self.W_o is not None:
+            out = self.W_o(out)
+        return out, weights.detach()
+
+
+class Block(nn.Module):
+    """qkv::TransformerBlock's reference: pre-norm attention and GELU MLP on residual branches."""
+
+    def __init__(self, d_model, num_heads, num_kv_heads=None, rope=False, causal=False, mlp_ratio=4, bias=True):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = DecoderAttention(d_model, num_heads, num_kv_heads, rope=rope, causal=causal, out_proj=True,
+                                     bias=bias)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp_fc = nn.Linear(d_model, mlp_ratio * d_model, bias=bias)
+        self.mlp_proj = nn.Linear(mlp_ratio * d_model, d_model, bias=bias)
+
+    def forward(self, x):
+        h = x + self.attn(self.ln_1(x))[0]
+        return h + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(h))))
+
+
+def check_decoder_reference():
+    """DecoderAttention without RoPE equals the loop reference (with one key/value head per query
+    head) and the repeated-heads form equals F.scaled_dot_product_attention(enable_gqa=True)."""
+    torch.manual_seed(10)
+    decoder = DecoderAttention(16, 4, causal=True, out_proj=True)
+    loop = LoopAttention(16, 4, out_proj=True, causal=True)
+    loop.load_state_dict(decoder.state_dict())
+    x = torch.randn(2, 6, 16)
+    assert torch.allclose(decoder(x)[0], loop(x)[0], atol=1e-5), "DecoderAttention != LoopAttention"
+    checked = "the loop reference"
+    sdpa = getattr(F, "scaled_dot_product_attention", None)
+    if sdpa is not None and "enable_gqa" in (sdpa.__doc__ or ""):
+        gqa = DecoderAttention(32, 8, 2, rope=True, causal=True)
+        q, k, v = gqa.project(torch.randn(2, 7, 32))
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        groups = 8 // 2
+        scores = q @ k.repeat_interleave(groups, 1).transpose(-2, -1) / math.sqrt(4)
+        scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+        got = torch.softmax(scores, -1) @ v.repeat_interleave(groups, 1)
+        assert torch.allclose(expected, got, atol=1e-6), "repeated K/V != F.scaled_dot_product_attention(enable_gqa)"
+        checked += " and F.scaled_dot_product_attention(enable_gqa=True)"
+    print("DecoderAttention agrees with " + checked)
+
+
+def decoder_case(case, seed, dtype=torch.float32, B=2, N=5, d_model=32, num_heads=8, num_kv_heads=None,
+                 rope=False, causal=False, block=False):
+    torch.manual_seed(seed)
+    if block:
+        module = Block(d_model, num_heads, num_kv_heads, rope=rope, causal=causal).to(dtype)
+    else:
+        module = DecoderAttention(d_model, num_heads, num_kv_heads, rope=rope, causal=causal).to(dtype)
+    with torch.no_grad():  # non-trivial LayerNorm parameters and biases
+        for name, p in module.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(B, N, d_model, dtype=dtype, requires_grad=True)
+    if block:
+        out, weights = module(x), None
+    else:
+        out, weights = module(x)
+    target = torch.randn_like(out)
+    config = {"d_model": d_model, "num_heads": num_heads, "num_kv_heads": num_kv_heads or num_heads, "rope": rope,
+              "rope_base": 10000.0, "causal": causal, "batched": True, "kind": "block" if block else "attention"}
+    if block:
+        config["mlp_ratio"] = 4
+    record(case, module, {"query": x}, config, out, weights, target)
+
+
+def decoder_cases():
+    check_decoder_reference()
+    for kv_heads in (8, 4, 2, 1):
+        decoder_case("gqa_h8_kv%d" % kv_heads, seed=20 + kv_heads, num_kv_heads=kv_heads)
+    decoder_case("gqa_h8_kv2_f64", seed=22, dtype=torch.float64, num_kv_heads=2)
+    decoder_case("rope", seed=30, d_model=16, num_heads=4, rope=True, N=6)
+    decoder_case("rope_f64", seed=30, dtype=torch.float64, d_model=16, num_heads=4, rope=True, N=6)
+    decoder_case("rope_gqa_causal", seed=31, d_model=16, num_heads=4, num_kv_heads=2, rope=True, causal=True, N=7)
+    decoder_case("rope_gqa_causal_f64", seed=31, dtype=torch.float64, d_model=16, num_heads=4, num_kv_heads=2,
+                 rope=True, causal=True, N=7)
+    decoder_case("block", seed=40, d_model=16, num_heads=4, block=True)
+    decoder_case("block_f64", seed=40, dtype=torch.float64, d_model=16, num_heads=4, block=True)
+    decoder_case("block_gqa_rope_causal", seed=41, d_model=16, num_heads=4, num_kv_heads=2, rope=True, causal=True,
+                 block=True, N=6)
+    decoder_case("block_gqa_rope_causal_f64", seed=41, dtype=torch.float64, d_model=16, num_heads=4, num_kv_heads=2,
+                 rope=True, causal=True, block=True, N=6)
+
+
 def main():
     os.makedirs(DATA, exist_ok=True)
+    if "--check-only" in sys.argv[1:]:  # the references' own checks, e.g. under another torch version
+        check_loop_reference()
+        check_decoder_reference()
+        return
+    if "--decoder-only" in sys.argv[1:]:
+        decoder_cases()
+        return
     interop_cases()
     check_loop_reference()
     documents_case()
@@ -256,6 +406,7 @@ def main():
     loop_case("unscaled", seed=8, d_model=16, num_heads=2, scale=1.0)
     loop_case("no_bias_causal_f64", seed=9, dtype=torch.float64, B=2, N=4, S=6, d_model=8, num_heads=2,
               bias=False, causal=True)
+    decoder_cases()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 Python -> C++ -> Python: the documents' module and nn.MultiheadAttention (batch-first and
 sequence-first) are saved here, loaded by qkv (qkv-weights), run, written back by qkv, and loaded
 again in Python: outputs and weights must agree to 1e-6. Then a model trained by qkv-train from
-Python weights is loaded into the documents' class.
+Python weights is loaded into the documents' class; the same for a grouped-query module and a
+TransformerBlock (scripts/gen_reference.py's references). Every file qkv writes must load with
+torch.load's defaults and with weights_only=True (the default since PyTorch 2.6, which refuses
+TorchScript's type tags).
 
     /usr/bin/python3 scripts/interop_roundtrip.py BUILD/apps/qkv-weights BUILD/apps/qkv-train
 Exits 77 (ctest: skipped) when this interpreter has no PyTorch.
@@ -44,6 +47,17 @@ def close(a, b, what, tol=1e-6):
     print("ok: %s (max |diff| %.2g)" % (what, diff))
 
 
+def load(path):
+    """What a Python user does with a file qkv wrote: torch.load with its defaults, and the
+    weights_only loader (the default from PyTorch 2.6 on; an explicit argument since 1.13)."""
+    plain = torch.load(path)
+    if "weights_only" in torch.load.__code__.co_varnames:
+        safe = torch.load(path, weights_only=True)
+        if set(safe) != set(plain):
+            sys.exit("FAILED: %s loads differently with weights_only=True" % path)
+    return plain
+
+
 def main():
     weights_tool, train_tool = sys.argv[1], sys.argv[2]
     tmp = tempfile.mkdtemp(prefix="qkv_interop_")
@@ -56,9 +70,9 @@ def main():
     export(docs, path("docs.pt"))
     torch.save(inputs(x), path("x.pt"))
     run(weights_tool, "forward", path("docs.pt"), path("x.pt"), path("out.pt"), "--save-weights", path("back.pt"))
-    close(torch.load(path("out.pt"))["output"], docs(x), "documents' module: qkv output vs Python")
+    close(load(path("out.pt"))["output"], docs(x), "documents' module: qkv output vs Python")
     again = SelfAttention(8)
-    again.load_state_dict(torch.load(path("back.pt")))  # strict: same keys
+    again.load_state_dict(load(path("back.pt")))  # strict: same keys
     for key, value in docs.state_dict().items():
         close(again.state_dict()[key], value, "weights back in Python: " + key, tol=0.0)
     close(again(x), docs(x), "documents' module reloaded in Python: output", tol=0.0)
@@ -77,7 +91,7 @@ def main():
         export(mha, path("mha.pt"))
         torch.save(inputs(q), path("q.pt"))
         run(weights_tool, "forward", path("mha.pt"), path("q.pt"), path("mha_out.pt"), "--heads", "4")
-        close(torch.load(path("mha_out.pt"))["output"], expected,
+        close(load(path("mha_out.pt"))["output"], expected,
               "nn.MultiheadAttention(batch_first=%s): qkv output vs Python" % batch_first)
 
     # qkv-train from Python weights; its model.pt loads into the documents' class.
@@ -87,11 +101,26 @@ def main():
     run(train_tool, "--task", "reverse", "--device", "cpu", "--d-model", "24", "--seq-len", "8", "--steps", "20",
         "--init-weights", path("start.pt"), "--out", path("run"), "--quiet")
     trained = SelfAttention(24)
-    trained.load_state_dict(torch.load(path("run/model.pt")))
+    trained.load_state_dict(load(path("run/model.pt")))
     moved = (trained.W_q.weight - start.W_q.weight).abs().max().item()
     if moved == 0.0:
         sys.exit("FAILED: the trained weights equal the initial ones")
     print("ok: qkv-train --init-weights from Python, model.pt back into the documents' class (W_q moved %.3g)" % moved)
+
+    # Grouped-query heads and a TransformerBlock: Python -> C++ -> Python.
+    from gen_reference import Block, DecoderAttention
+    torch.manual_seed(2)
+    for name, module in (("gqa", DecoderAttention(16, 4, num_kv_heads=2, rope=True, causal=True)),
+                         ("block", Block(16, 4, num_kv_heads=1, rope=True, causal=True))):
+        q = torch.randn(2, 6, 16)
+        expected = module(q)[0] if name == "gqa" else module(q)
+        export(module, path(name + ".pt"))
+        torch.save(inputs(q), path(name + "_q.pt"))
+        run(weights_tool, "forward", path(name + ".pt"), path(name + "_q.pt"), path(name + "_out.pt"), "--heads", "4",
+            "--causal", "--rope", "--save-weights", path(name + "_back.pt"))
+        close(load(path(name + "_out.pt"))["output"], expected, "%s: qkv output vs Python" % name, tol=1e-5)
+        module.load_state_dict(load(path(name + "_back.pt")))  # strict: the reference's keys
+        print("ok: %s weights back into the Python reference" % name)
 
     # A state_dict() OrderedDict: read (LibTorch >= 2) or refused with the way to save it.
     torch.save(docs.state_dict(), path("ordered.pt"))

@@ -1,15 +1,15 @@
 // Integrity of the zip archives that torch.save and torch::save write: each entry's bytes must
 // match the CRC-32 that the archive records for it. LibTorch 1.13's reader does not check these,
 // so without this a flipped bit inside a tensor would load silently as a different weight.
-#include <qkv/state_dict.h>
+#include "archive_integrity.h"
 
-#include <torch/torch.h>
+#include <c10/util/Exception.h>
 
 #include <array>
 #include <cstdint>
 #include <cstring>
 
-namespace qkv {
+namespace qkv::detail {
 namespace {
 
 // CRC-32 (IEEE 802.3, as zip uses), table-driven. Written here rather than taken from zlib
@@ -63,7 +63,9 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
   // torch.save writes zip64 end records too: a locator right before the end record pointing at them.
   if (end >= 20 && read32(bytes + end - 20) == 0x07064b50u) {
     const uint64_t zip64_end = read32(bytes + end - 20 + 8) | (uint64_t(read32(bytes + end - 20 + 12)) << 32);
-    TORCH_CHECK(zip64_end + 56 <= end - 20 && read32(bytes + zip64_end) == 0x06064b50u, path,
+    // Written as a difference: zip64_end comes from the file and may be near 2^64, where
+    // `zip64_end + 56` would wrap around and pass.
+    TORCH_CHECK(zip64_end <= end - 20 && end - 20 - zip64_end >= 56 && read32(bytes + zip64_end) == 0x06064b50u, path,
                 ": the zip64 end record is missing or out of place; the file is corrupt");
     auto read64 = [&](uint64_t at) { return read32(bytes + at) | (uint64_t(read32(bytes + at + 4)) << 32); };
     entries = read64(zip64_end + 32);
@@ -110,4 +112,4 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
   }
 }
 
-}  // namespace qkv
+}  // namespace qkv::detail

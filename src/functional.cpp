@@ -1,23 +1,16 @@
-// scaled_dot_product_attention: argument checks, the math (reference) path written as the
-// documents' four steps, and the fused path on LibTorch >= 2.0.
+// scaled_dot_product_attention: argument checks and the choice of backend. The backends
+// themselves live in src/kernels/, one file each; the math one is the reference.
 //
-// B = batch, H = heads, N = query positions, S = key positions, D = head width, Dv = value width.
+// B = batch, H = query heads, Hkv = key/value heads, N = query positions, S = key positions,
+// D = head width, Dv = value width.
 #include <qkv/functional.h>
 
-#include <qkv/masks.h>
+#include "kernels/kernels.h"
+#include "torch_compat.h"
 
-#include <ATen/ATen.h>
 #include <torch/torch.h>
-#include <torch/version.h>
 
 #include <cmath>
-#include <limits>
-
-#if TORCH_VERSION_MAJOR >= 2
-#define QKV_HAS_FUSED_SDPA 1
-#else
-#define QKV_HAS_FUSED_SDPA 0
-#endif
 
 namespace qkv {
 
@@ -32,31 +25,48 @@ const char* to_string(AttentionBackend backend) {
 
 std::ostream& operator<<(std::ostream& stream, AttentionBackend backend) { return stream << to_string(backend); }
 
-bool fused_backend_available() { return QKV_HAS_FUSED_SDPA != 0; }
+bool fused_backend_available() { return QKV_TORCH_HAS_SDPA != 0; }
 
 namespace {
 
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+const char* defined_text(const torch::Tensor& t) { return t.defined() ? "defined" : "undefined"; }
 
-void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const ScaledDotProductAttentionOptions& options) {
+void check_shapes(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                  const ScaledDotProductAttentionOptions& options) {
   TORCH_CHECK(q.defined() && k.defined() && v.defined(),
-              "scaled_dot_product_attention: expected defined tensors q, k and v, got q ",
-              q.defined() ? "defined" : "undefined", ", k ", k.defined() ? "defined" : "undefined", ", v ",
-              v.defined() ? "defined" : "undefined");
+              "scaled_dot_product_attention: expected defined tensors q, k and v, got q ", defined_text(q), ", k ",
+              defined_text(k), ", v ", defined_text(v));
   TORCH_CHECK(q.dim() >= 2 && k.dim() == q.dim() && v.dim() == q.dim(),
               "scaled_dot_product_attention: expected q (..., N, D), k (..., S, D) and v (..., S, Dv) of the same "
               "rank >= 2, got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(k.sizes().slice(0, k.dim() - 2) == v.sizes().slice(0, v.dim() - 2),
+              "scaled_dot_product_attention: expected k and v with equal leading (batch, head) dimensions, got k ",
+              k.sizes(), ", v ", v.sizes());
   const auto leading = q.dim() - 2;
-  TORCH_CHECK(q.sizes().slice(0, leading) == k.sizes().slice(0, leading) &&
-                  q.sizes().slice(0, leading) == v.sizes().slice(0, leading),
-              "scaled_dot_product_attention: expected equal leading (batch, head) dimensions, got q ", q.sizes(),
-              ", k ", k.sizes(), ", v ", v.sizes());
+  if (options.enable_gqa() && q.dim() >= 3) {
+    // Everything but the head dimension (-3) must match; k's heads must divide q's.
+    const auto q_heads = q.size(-3), kv_heads = k.size(-3);
+    TORCH_CHECK(q.sizes().slice(0, leading - 1) == k.sizes().slice(0, leading - 1) && kv_heads > 0 &&
+                    q_heads % kv_heads == 0,
+                "scaled_dot_product_attention: with enable_gqa, expected q (..., H, N, D) and k, v (..., Hkv, S, D) "
+                "with equal batch dimensions and Hkv dividing H, got q ", q.sizes(), ", k ", k.sizes(), ", v ",
+                v.sizes());
+  } else {
+    TORCH_CHECK(q.sizes().slice(0, leading) == k.sizes().slice(0, leading),
+                "scaled_dot_product_attention: expected equal leading (batch, head) dimensions, got q ", q.sizes(),
+                ", k ", k.sizes(), ", v ", v.sizes(),
+                q.dim() >= 3 && k.size(-3) != q.size(-3) ? " (fewer key/value heads need enable_gqa)" : "");
+  }
   TORCH_CHECK(q.size(-1) == k.size(-1), "scaled_dot_product_attention: expected q and k of the same width D, got q ",
               q.sizes(), " and k ", k.sizes());
   TORCH_CHECK(k.size(-2) == v.size(-2),
               "scaled_dot_product_attention: expected k and v with the same number of positions S, got k ", k.sizes(),
               " and v ", v.sizes());
+}
+
+void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const ScaledDotProductAttentionOptions& options) {
+  check_shapes(q, k, v, options);
   TORCH_CHECK(at::isFloatingType(q.scalar_type()),
               "scaled_dot_product_attention: expected floating-point q, k, v, got ", q.scalar_type());
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
@@ -97,138 +107,24 @@ void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, cons
   }
 }
 
-double resolved_scale(const ScaledDotProductAttentionOptions& options, int64_t head_width) {
-  return options.scale() ? *options.scale() : 1.0 / std::sqrt(static_cast<double>(head_width));
-}
-
-// The mask both paths apply, with the causal mask folded in, and the rows that it leaves
-// without any key ("dead" rows). Softmax over a row of -inf is NaN; qkv gives such rows a
-// zero output and zero gradients instead.
-struct PreparedMask {
-  torch::Tensor mask;       // bool (true = attend) or floating, broadcastable to (..., N, S); may be undefined
-  torch::Tensor dead_rows;  // bool (..., N, 1): rows with no key left; undefined when there cannot be any
-};
-
-PreparedMask prepare_mask(const torch::Tensor& user_mask, bool causal, const torch::Tensor& q, int64_t num_keys) {
-  PreparedMask prepared;
-  const int64_t num_queries = q.size(-2);
-  torch::Tensor mask = user_mask;
-  if (mask.defined() && mask.is_floating_point()) mask = mask.to(q.scalar_type());
-  if (causal) {
-    auto allowed = causal_mask(num_queries, num_keys, q.device());  // (N, S)
-    if (!mask.defined()) {
-      mask = allowed;
-    } else if (mask.scalar_type() == torch::kBool) {
-      mask = mask.logical_and(allowed);
-    } else {
-      mask = mask.masked_fill(allowed.logical_not(), kNegInf);
-    }
-  }
-  prepared.mask = mask;
-  // Causal masks alone never empty a row (query i always sees key 0); other masks can. With S = 0
-  // every row is empty, but then the products are empty sums and already give zero.
-  if (user_mask.defined() && num_keys > 0) {
-    prepared.dead_rows = mask.scalar_type() == torch::kBool ? mask.logical_not().all(/*dim=*/-1, /*keepdim=*/true)
-                                                           : (mask == kNegInf).all(/*dim=*/-1, /*keepdim=*/true);
-  }
-  return prepared;
-}
-
 }  // namespace
 
-namespace detail {
-
-AttentionResult math_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const ScaledDotProductAttentionOptions& options) {
-  const auto prepared = prepare_mask(options.mask(), options.causal(), q, k.size(-2));
-
-  // Steps 1 and 2: the dot product of every query with every key, scaled by 1/sqrt(d_k) unless
-  // told otherwise, so that softmax does not saturate. The scale is applied to q, (..., N, D),
-  // rather than to the scores, (..., N, S): the same numbers up to rounding, without another
-  // N×S tensor (at N = 512 a fresh 67 MB scores tensor costs more than its arithmetic).
-  const double scale = resolved_scale(options, q.size(-1));
-  auto scores = torch::matmul(scale == 1.0 ? q : q * scale, k.transpose(-2, -1));  // (..., N, S)
-  if (prepared.mask.defined()) {
-    // In place: the product's backward needs its inputs, not its output, and masking's backward
-    // only the mask.
-    if (prepared.mask.scalar_type() == torch::kBool) {
-      scores.masked_fill_(prepared.mask.logical_not(), kNegInf);
-    } else {
-      scores.add_(prepared.mask);
-    }
-    // A row with no key left would be softmax(-inf, ...) = NaN: give it finite scores here and
-    // zero weights below, so its output and gradients are zero.
-    if (prepared.dead_rows.defined()) scores.masked_fill_(prepared.dead_rows, 0.0);
-  }
-  // Step 3: softmax per row turns scores into weights that sum to 1. Half-precision scores are
-  // normalised in float32: exp() of bf16 scores loses too much to sum reliably.
-  const bool reduced_precision = q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16;
-  auto weights = reduced_precision ? torch::softmax(scores, /*dim=*/-1, torch::kFloat).to(q.scalar_type())
-                                   : torch::softmax(scores, /*dim=*/-1);  // (..., N, S)
-  if (prepared.dead_rows.defined()) weights = weights.masked_fill(prepared.dead_rows, 0.0);
-  const bool apply_dropout = options.training() && options.dropout() > 0.0;
-  const auto mixing = apply_dropout ? torch::dropout(weights, options.dropout(), /*train=*/true) : weights;
-  // Step 4: each query's output is the weighted sum of the values.
-  auto output = torch::matmul(mixing, v);  // (..., N, Dv)
-
-  AttentionResult result;
-  result.output = std::move(output);
-  if (options.need_weights()) result.weights = std::move(weights);
-  result.backend = AttentionBackend::Math;
-  return result;
-}
-
-AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
                                 const ScaledDotProductAttentionOptions& options) {
-#if QKV_HAS_FUSED_SDPA
-  const int64_t num_queries = q.size(-2);
-  const int64_t num_keys = k.size(-2);
-  // Without a user mask, a square causal pattern goes to the kernels as is_causal, which lets
-  // them skip the masked half. Everything else becomes one explicit mask.
-  const bool kernel_causal = options.causal() && !options.mask().defined() && num_queries == num_keys;
-  c10::optional<torch::Tensor> mask;
-  torch::Tensor dead_rows;
-  if (!kernel_causal && (options.mask().defined() || options.causal())) {
-    auto prepared = prepare_mask(options.mask(), options.causal(), q, num_keys);
-    dead_rows = prepared.dead_rows;
-    if (dead_rows.defined()) {
-      // Let dead rows attend everywhere inside the kernel, then zero them (see math_attention).
-      prepared.mask = prepared.mask.scalar_type() == torch::kBool ? prepared.mask.logical_or(dead_rows)
-                                                                  : prepared.mask.masked_fill(dead_rows, 0.0);
-    }
-    mask = prepared.mask;
-  }
-  const double dropout = options.training() ? options.dropout() : 0.0;
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-  auto output = at::scaled_dot_product_attention(q, k, v, mask, dropout, kernel_causal,
-                                                 resolved_scale(options, q.size(-1)));
-#else
-  // LibTorch 2.0's kernels always scale by 1/sqrt(D): fold the requested scale into q.
-  const double correction = resolved_scale(options, q.size(-1)) * std::sqrt(static_cast<double>(q.size(-1)));
-  auto output = at::scaled_dot_product_attention(q * correction, k, v, mask, dropout, kernel_causal);
-#endif
-  if (dead_rows.defined()) output = output.masked_fill(dead_rows, 0.0);
-  AttentionResult result;
-  result.output = std::move(output);
-  result.backend = AttentionBackend::Fused;
-  return result;
-#else
-  TORCH_CHECK(false, "scaled_dot_product_attention: the fused backend needs LibTorch >= 2.0, this build has ",
-              TORCH_VERSION);
-#endif
+  if (options.backend() != AttentionBackend::Auto) return options.backend();
+  // Only the math path returns weights. Empty inputs go to it too: some fused kernels reject
+  // zero-sized launches, and there is nothing to compute.
+  if (options.need_weights() || q.numel() == 0 || k.numel() == 0) return AttentionBackend::Math;
+  return fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
 }
-
-}  // namespace detail
 
 AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                              const ScaledDotProductAttentionOptions& options) {
   check_attention_inputs(q, k, v, options);
-  bool use_fused = options.backend() == AttentionBackend::Fused;
-  if (options.backend() == AttentionBackend::Auto) {
-    // Empty inputs go to the math path: some fused kernels reject zero-sized launches.
-    use_fused = fused_backend_available() && !options.need_weights() && q.numel() > 0 && k.numel() > 0;
+  switch (choose_backend(q, k, options)) {
+    case AttentionBackend::Fused: return kernels::fused_attention(q, k, v, options);
+    default: return kernels::math_attention(q, k, v, options);
   }
-  return use_fused ? detail::fused_attention(q, k, v, options) : detail::math_attention(q, k, v, options);
 }
 
 }  // namespace qkv

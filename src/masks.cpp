@@ -1,6 +1,8 @@
 // Building and checking SelfAttention's masks (polarity: true = may attend; see masks.h).
 #include <qkv/masks.h>
 
+#include "mask_merge.h"
+
 #include <torch/torch.h>
 
 #include <limits>
@@ -27,9 +29,11 @@ torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::De
 
 namespace detail {
 
-torch::Tensor merge_attention_mask(const AttentionMask& mask, bool batched, int64_t batch, int64_t heads,
-                                   int64_t num_queries, int64_t num_keys, torch::ScalarType dtype,
-                                   const torch::Device& device) {
+torch::Tensor merge_attention_mask(const AttentionMask& mask, const MaskTarget& target) {
+  const bool batched = target.batched;
+  const int64_t batch = target.batch, heads = target.heads;
+  const int64_t num_queries = target.num_queries, num_keys = target.num_keys;
+  const auto& device = target.device;
   // Unbatched input is handled as a batch of one; its masks are given without the B dimension.
   const char* batch_dim = batched ? "B, " : "";
   torch::Tensor keys;  // bool (B, 1, 1, S): false for padding keys
@@ -49,7 +53,7 @@ torch::Tensor merge_attention_mask(const AttentionMask& mask, bool batched, int6
       TORCH_CHECK(shortest >= 0 && longest <= num_keys, "SelfAttention: expected key_lengths in [0, S] = [0, ",
                   num_keys, "], got values from ", shortest, " to ", longest);
     }
-    keys = key_mask_from_lengths(lengths.reshape({-1}), num_keys);  // (B, S)
+    keys = key_mask_from_lengths(lengths.reshape({batch}), num_keys);  // (B, S)
   }
   if (mask.key_mask.defined()) {
     const auto& key_mask = mask.key_mask;
@@ -63,10 +67,11 @@ torch::Tensor merge_attention_mask(const AttentionMask& mask, bool batched, int6
                 key_mask.scalar_type());
     TORCH_CHECK(key_mask.device() == device, "SelfAttention: expected key_mask on ", device, ", got ",
                 key_mask.device());
-    auto as_batch = key_mask.reshape({-1, num_keys});  // (B, S)
+    // Explicit sizes: with S = 0 (an empty context) a -1 would be ambiguous.
+    auto as_batch = key_mask.reshape({batch, num_keys});  // (B, S)
     keys = keys.defined() ? keys.logical_and(as_batch) : as_batch;
   }
-  if (keys.defined()) keys = keys.view({-1, 1, 1, num_keys});  // (B, 1, 1, S)
+  if (keys.defined()) keys = keys.view({batch, 1, 1, num_keys});  // (B, 1, 1, S)
 
   torch::Tensor pairs;  // (B|1, H|1, N, S)
   if (mask.attn_mask.defined()) {
@@ -94,7 +99,7 @@ torch::Tensor merge_attention_mask(const AttentionMask& mask, bool batched, int6
     } else {
       pairs = attn_mask;
     }
-    if (pairs.is_floating_point()) pairs = pairs.to(dtype);
+    if (pairs.is_floating_point()) pairs = pairs.to(target.dtype);
   }
 
   if (!pairs.defined()) return keys;

@@ -1,7 +1,12 @@
-// SelfAttentionImpl: projections, head split/join and input checks around the functional core.
+// SelfAttentionImpl: projections, head split/join, rotary positions, the KV cache and input
+// checks around the functional core.
 //
-// B = batch, N = query positions, S = context positions, E = d_model, H = heads, D = E / H.
+// B = batch, N = query positions, S = context positions, T = new positions (cached decoding),
+// L = cached positions, E = d_model, H = query heads, Hkv = key/value heads, D = E / H.
 #include <qkv/self_attention.h>
+
+#include "mask_merge.h"
+#include "rope.h"
 
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -9,6 +14,14 @@
 #include <cmath>
 
 namespace qkv {
+
+namespace {
+
+int64_t kv_heads_of(const SelfAttentionOptions& options) {
+  return options.num_kv_heads().value_or(options.num_heads());
+}
+
+}  // namespace
 
 SelfAttentionImpl::SelfAttentionImpl(const SelfAttentionOptions& options_) : options(options_) { reset(); }
 
@@ -19,10 +32,21 @@ void SelfAttentionImpl::reset() {
   TORCH_CHECK(heads > 0, "SelfAttention: expected num_heads > 0, got ", heads);
   TORCH_CHECK(d_model % heads == 0, "SelfAttention: expected d_model divisible by num_heads, got d_model = ", d_model,
               " and num_heads = ", heads);
+  const auto kv_heads = kv_heads_of(options);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
+              "SelfAttention: expected num_kv_heads dividing num_heads (each key/value head serves a group of query "
+              "heads), got num_heads = ", heads, " and num_kv_heads = ", kv_heads);
+  const auto head_width = d_model / heads;
   TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0, "SelfAttention: expected dropout in [0, 1), got ",
               options.dropout());
   if (options.scale()) {
     TORCH_CHECK(std::isfinite(*options.scale()), "SelfAttention: expected a finite scale, got ", *options.scale());
+  }
+  if (options.rope()) {
+    TORCH_CHECK(head_width % 2 == 0, "SelfAttention: rope needs an even head width D = d_model / num_heads, got D = ",
+                head_width, " (d_model = ", d_model, ", num_heads = ", heads, ")");
+    TORCH_CHECK(std::isfinite(options.rope_base()) && options.rope_base() > 1.0,
+                "SelfAttention: expected rope_base > 1, got ", options.rope_base());
   }
   const auto kdim = options.kdim().value_or(d_model);
   const auto vdim = options.vdim().value_or(d_model);
@@ -37,8 +61,8 @@ void SelfAttentionImpl::reset() {
   using torch::nn::Linear;
   using torch::nn::LinearOptions;
   W_q = register_module("W_q", Linear(LinearOptions(d_model, d_model).bias(options.bias())));
-  W_k = register_module("W_k", Linear(LinearOptions(kdim, d_model).bias(options.bias())));
-  W_v = register_module("W_v", Linear(LinearOptions(vdim, d_model).bias(options.bias())));
+  W_k = register_module("W_k", Linear(LinearOptions(kdim, kv_heads * head_width).bias(options.bias())));
+  W_v = register_module("W_v", Linear(LinearOptions(vdim, kv_heads * head_width).bias(options.bias())));
   if (options.out_proj()) {
     W_o = register_module("W_o", Linear(LinearOptions(d_model, d_model).bias(options.bias())));
   } else {
@@ -47,14 +71,16 @@ void SelfAttentionImpl::reset() {
 }
 
 void SelfAttentionImpl::pretty_print(std::ostream& stream) const {
-  stream << "qkv::SelfAttention(d_model=" << options.d_model() << ", num_heads=" << options.num_heads()
-         << ", bias=" << std::boolalpha << options.bias() << ", causal=" << options.causal()
+  stream << "qkv::SelfAttention(d_model=" << options.d_model() << ", num_heads=" << options.num_heads();
+  if (options.num_kv_heads()) stream << ", num_kv_heads=" << *options.num_kv_heads();
+  stream << ", bias=" << std::boolalpha << options.bias() << ", causal=" << options.causal()
          << ", dropout=" << options.dropout() << ", scale=";
   if (options.scale()) {
     stream << *options.scale();
   } else {
     stream << "1/sqrt(" << options.d_model() / options.num_heads() << ")";
   }
+  if (options.rope()) stream << ", rope_base=" << options.rope_base();
   stream << ", out_proj=" << options.out_proj() << ", kdim=" << options.kdim().value_or(options.d_model())
          << ", vdim=" << options.vdim().value_or(options.d_model()) << ", backend=" << options.backend() << ")";
 }
@@ -87,6 +113,16 @@ void check_input(const char* name, const torch::Tensor& input, int64_t rank, int
               " (the module's device), got ", input.device());
 }
 
+// (B, N, heads · D) -> (B, heads, N, D)
+torch::Tensor split_heads(const torch::Tensor& x, int64_t heads) {
+  return x.view({x.size(0), x.size(1), heads, x.size(2) / heads}).transpose(1, 2);
+}
+
+// (B, H, N, D) -> (B, N, H · D)
+torch::Tensor join_heads(const torch::Tensor& x) {
+  return x.transpose(1, 2).reshape({x.size(0), x.size(2), x.size(1) * x.size(3)});
+}
+
 }  // namespace
 
 ScaledDotProductAttentionOptions SelfAttentionImpl::attention_options(bool need_weights) const {
@@ -95,6 +131,7 @@ ScaledDotProductAttentionOptions SelfAttentionImpl::attention_options(bool need_
       .scale(options.scale())
       .dropout(options.dropout())
       .training(is_training())
+      .enable_gqa(kv_heads_of(options) != options.num_heads())
       .need_weights(need_weights)
       .backend(need_weights ? AttentionBackend::Math : options.backend());  // only math returns weights
 }
@@ -104,7 +141,7 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
                                               bool need_weights) {
   const int64_t E = options.d_model();
   const int64_t H = options.num_heads();
-  const int64_t D = E / H;
+  const int64_t Hkv = kv_heads_of(options);
   const int64_t kdim = options.kdim().value_or(E);
   const int64_t vdim = options.vdim().value_or(E);
 
@@ -134,14 +171,13 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   TORCH_CHECK(key.size(-2) == value.size(-2), "SelfAttention: expected key and value with the same number of "
               "positions S, got key ", key.sizes(), " and value ", value.sizes());
 
-  if (H == 1 && mask.empty()) {
+  if (H == 1 && Hkv == 1 && mask.empty() && !options.rope()) {
     // One head, no padding or general mask (the documents' module): attention runs on the
     // projections as they are, (N, E) or (B, N, E). The head split and join below are views,
     // but each is an autograd node with a backward: at the documents' sizes they cost more than
     // the attention itself.
     auto result = scaled_dot_product_attention(W_q(query), W_k(key), W_v(value),
                                                attention_options(need_weights));  // (…, N, E)
-    last_backend_ = result.backend;
     SelfAttentionOutput out;
     out.output = W_o ? W_o(result.output) : result.output;
     if (need_weights) out.weights = result.weights.unsqueeze(-3);  // (B, 1, N, S) / (1, N, S)
@@ -156,18 +192,22 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   const int64_t N = q_in.size(1);
   const int64_t S = k_in.size(1);
 
-  // Project, then split E into H heads of width D.
-  auto q = W_q(q_in).view({B, N, H, D}).transpose(1, 2);  // (B, H, N, D)
-  auto k = W_k(k_in).view({B, S, H, D}).transpose(1, 2);  // (B, H, S, D)
-  auto v = W_v(v_in).view({B, S, H, D}).transpose(1, 2);  // (B, H, S, D)
+  // Project, then split into heads of width D.
+  auto q = split_heads(W_q(q_in), H);    // (B, H, N, D)
+  auto k = split_heads(W_k(k_in), Hkv);  // (B, Hkv, S, D)
+  auto v = split_heads(W_v(v_in), Hkv);  // (B, Hkv, S, D)
+  if (options.rope()) {
+    q = detail::apply_rope(q, /*offset=*/0, options.rope_base());  // (B, H, N, D)
+    k = detail::apply_rope(k, /*offset=*/0, options.rope_base());  // (B, Hkv, S, D)
+  }
 
-  auto attention = attention_options(need_weights).mask(
-      detail::merge_attention_mask(mask, batched, B, H, N, S, q.scalar_type(), q.device()));
-  auto result = scaled_dot_product_attention(q, k, v, attention);
-  last_backend_ = result.backend;
+  detail::MaskTarget target;
+  target.batched = batched, target.batch = B, target.heads = H, target.num_queries = N, target.num_keys = S;
+  target.dtype = q.scalar_type(), target.device = q.device();
+  auto result = scaled_dot_product_attention(
+      q, k, v, attention_options(need_weights).mask(detail::merge_attention_mask(mask, target)));
 
-  // Join the heads again.
-  auto output = result.output.transpose(1, 2).reshape({B, N, E});  // (B, N, E)
+  auto output = join_heads(result.output);  // (B, N, E)
   if (W_o) output = W_o(output);
 
   SelfAttentionOutput out;
@@ -175,6 +215,74 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   if (need_weights) out.weights = batched ? result.weights : result.weights.squeeze(0);  // (B, H, N, S) / (H, N, S)
   out.backend = result.backend;
   return out;
+}
+
+AttentionBackend SelfAttentionImpl::backend_for(const torch::Tensor& query, const torch::Tensor& context,
+                                                const AttentionMask& mask) const {
+  TORCH_CHECK(query.defined() && (query.dim() == 2 || query.dim() == 3),
+              "SelfAttention::backend_for: expected query of shape (N, E) or (B, N, E), got ",
+              query.defined() ? query.sizes() : c10::IntArrayRef{});
+  const auto& source = context.defined() ? context : query;
+  const int64_t B = query.dim() == 3 ? query.size(0) : 1;
+  const int64_t D = options.d_model() / options.num_heads();
+  // Stand-ins with the shapes, dtype and device of the attention core's inputs: one element each.
+  const auto stand_in = torch::empty({1}, W_q->weight.options().requires_grad(false));
+  const auto q = stand_in.expand({B, options.num_heads(), query.size(-2), D});
+  const auto k = stand_in.expand({B, kv_heads_of(options), source.size(-2), D});
+  auto attention = attention_options(/*need_weights=*/false);
+  if (!mask.empty()) attention.mask(torch::ones({1}, torch::TensorOptions(torch::kBool).device(query.device())));
+  return choose_backend(q, k, attention);
+}
+
+KVCache SelfAttentionImpl::make_cache(int64_t batch, int64_t capacity) const {
+  const int64_t D = options.d_model() / options.num_heads();
+  return KVCache(batch, kv_heads_of(options), capacity, D, D, W_q->weight.options());
+}
+
+torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache) {
+  const int64_t E = options.d_model();
+  const int64_t H = options.num_heads();
+  const int64_t Hkv = kv_heads_of(options);
+  const int64_t D = E / H;
+  TORCH_CHECK(options.causal(), "SelfAttention::forward_with_cache: expected a causal module (SelfAttentionOptions::"
+              "causal(true)); cached decoding attends to past positions only, and this module is not causal");
+  TORCH_CHECK(options.kdim().value_or(E) == E && options.vdim().value_or(E) == E,
+              "SelfAttention::forward_with_cache: caches hold self-attention's keys, and this module is built for "
+              "cross-attention (kdim = ", options.kdim().value_or(E), ", vdim = ", options.vdim().value_or(E), ")");
+  TORCH_CHECK(x.defined() && x.dim() == 3 && x.size(-1) == E,
+              "SelfAttention::forward_with_cache: expected x of shape (B, T, ", E, "), got ",
+              x.defined() ? x.sizes() : c10::IntArrayRef{});
+  check_input("x", x, 3, E, W_q->weight);
+  TORCH_CHECK(!torch::GradMode::is_enabled() || (!x.requires_grad() && !W_q->weight.requires_grad()),
+              "SelfAttention::forward_with_cache: cached decoding is for inference and keeps no autograd history of "
+              "the cached keys; call it under torch::NoGradGuard");
+  TORCH_CHECK(cache.kv_heads() == Hkv && cache.head_dim() == D && cache.value_dim() == D,
+              "SelfAttention::forward_with_cache: the KVCache has ", cache.kv_heads(), " heads of width ",
+              cache.head_dim(), ", this module ", Hkv, " of width ", D, "; make it with this module's make_cache");
+  const int64_t B = x.size(0);
+  const int64_t T = x.size(1);
+  const int64_t L = cache.length();
+  cache.check_append("SelfAttention::forward_with_cache", B, T, x.scalar_type(), x.device());
+
+  auto q = split_heads(W_q(x), H);    // (B, H, T, D)
+  auto k = split_heads(W_k(x), Hkv);  // (B, Hkv, T, D)
+  auto v = split_heads(W_v(x), Hkv);  // (B, Hkv, T, D)
+  if (options.rope()) {
+    // The new positions are L .. L+T-1.
+    q = detail::apply_rope(q, /*offset=*/L, options.rope_base());
+    k = detail::apply_rope(k, /*offset=*/L, options.rope_base());
+  }
+  const auto [keys, values] = cache.append(k, v);  // (B, Hkv, L+T, D)
+
+  // New position L+t attends to keys 0 .. L+t: every cached key, and the new ones up to itself
+  // (the causal mask aligned to the bottom right). One new position needs no mask at all.
+  auto attention = attention_options(/*need_weights=*/false).causal(false);
+  if (T > 1) {
+    const auto positions = torch::arange(L + T, torch::TensorOptions(torch::kLong).device(x.device()));
+    attention.mask(positions.unsqueeze(0) <= positions.narrow(0, L, T).unsqueeze(1));  // (T, L+T)
+  }
+  auto output = join_heads(scaled_dot_product_attention(q, keys, values, attention).output);  // (B, T, E)
+  return W_o ? W_o(output) : output;
 }
 
 }  // namespace qkv

@@ -3,13 +3,12 @@
 // that Python's torch.load reads.
 #include <qkv/state_dict.h>
 
-#include <torch/serialize.h>
+#include "atomic_file.h"
+#include "torch_file.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <sstream>
 
 namespace qkv {
@@ -29,20 +28,20 @@ std::string shape_text(c10::IntArrayRef sizes) {
 
 }  // namespace
 
+const char* to_string(StateDictLayout layout) {
+  switch (layout) {
+    case StateDictLayout::Documents: return "documents'";
+    case StateDictLayout::MultiheadAttention: return "nn.MultiheadAttention";
+    case StateDictLayout::TransformerBlock: return "TransformerBlock";
+  }
+  return "unknown";
+}
+
 std::map<std::string, torch::Tensor> read_tensor_dict(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  TORCH_CHECK(file.good(), "load_state_dict: cannot open ", path);
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  return read_tensor_dict(bytes, path);
+  return read_tensor_dict(detail::read_file_bytes(path, "load_state_dict"), path);
 }
 
 std::map<std::string, torch::Tensor> read_tensor_dict(const std::vector<char>& bytes, const std::string& path) {
-  TORCH_CHECK(!bytes.empty(), "load_state_dict: ", path, " is empty; expected a file written by torch.save");
-  try {
-    verify_torch_archive(bytes.data(), bytes.size(), path);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "load_state_dict: ", e.what_without_backtrace());
-  }
   // torch.save stores its pickle uncompressed. A top-level OrderedDict shows as the protocol
   // header followed by the GLOBAL opcode for it (tensors inside carry an OrderedDict too, but
   // never right after the header).
@@ -51,15 +50,16 @@ std::map<std::string, torch::Tensor> read_tensor_dict(const std::vector<char>& b
                                bytes.end();
   c10::IValue value;
   try {
-    value = torch::pickle_load(bytes);
+    value = detail::read_torch_file(bytes, path, "load_state_dict");
   } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    if (message.rfind("load_state_dict: ", 0) == 0) throw;  // the archive check's own message
     // LibTorch 1.13's unpickler turns an OrderedDict into None and then fails on it.
     TORCH_CHECK(!is_ordered_dict, "load_state_dict: ", path,
                 " holds an OrderedDict (Python's model.state_dict()), which LibTorch ", TORCH_VERSION,
                 " cannot read. Save a plain dict instead: torch.save(dict(model.state_dict()), \"", path,
                 "\") (scripts/export_weights.py does this)");
-    TORCH_CHECK(false, "load_state_dict: ", path, " is not a dict of tensors written by torch.save (",
-                e.what_without_backtrace(), ")");
+    TORCH_CHECK(false, "load_state_dict: ", path, " is not a dict of tensors written by torch.save (", message, ")");
   }
   TORCH_CHECK(value.isGenericDict(), "load_state_dict: ", path, " holds a ", value.tagKind(),
               "; expected a dict of tensors as written by torch.save(dict(model.state_dict()), path)");
@@ -83,6 +83,7 @@ StateDictLayout detect_layout(const std::map<std::string, torch::Tensor>& tensor
   for (const char* key : {"in_proj_weight", "q_proj_weight", "out_proj.weight"}) {
     if (tensors.count(key)) return StateDictLayout::MultiheadAttention;
   }
+  if (tensors.count("ln_1.weight") || tensors.count("attn.W_q.weight")) return StateDictLayout::TransformerBlock;
   return StateDictLayout::Documents;
 }
 
@@ -112,19 +113,15 @@ std::map<std::string, torch::Tensor> from_multihead_layout(const std::map<std::s
   return mapped;
 }
 
-}  // namespace
-
-void load_state_dict(SelfAttention& module, const std::map<std::string, torch::Tensor>& tensors,
-                     const std::string& source) {
-  const auto layout = detect_layout(tensors);
-  const auto mapped = layout == StateDictLayout::MultiheadAttention ? from_multihead_layout(tensors, source) : tensors;
-  auto parameters = module->named_parameters();
-
+// Checks `tensors` against the module's parameters and copies them in only when everything fits.
+void load_checked(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
+                  const std::string& source, StateDictLayout layout, const std::string& hint) {
+  auto parameters = module.named_parameters();
   std::vector<std::string> missing, unexpected, mismatched, not_floating;
   for (const auto& item : parameters) {
-    if (!mapped.count(item.key())) missing.push_back(item.key());
+    if (!tensors.count(item.key())) missing.push_back(item.key());
   }
-  for (const auto& [key, tensor] : mapped) {
+  for (const auto& [key, tensor] : tensors) {
     const auto* parameter = parameters.find(key);
     if (!parameter) {
       unexpected.push_back(key);
@@ -137,51 +134,76 @@ void load_state_dict(SelfAttention& module, const std::map<std::string, torch::T
   }
   if (!missing.empty() || !unexpected.empty() || !mismatched.empty() || !not_floating.empty()) {
     std::ostringstream problem;
-    problem << "load_state_dict: " << source << " ("
-            << (layout == StateDictLayout::MultiheadAttention ? "nn.MultiheadAttention" : "documents'")
-            << " layout) does not fit " << *module << "; nothing was loaded.";
+    problem << "load_state_dict: " << source << " (" << to_string(layout) << " layout) does not fit ";
+    module.pretty_print(problem);
+    problem << "; nothing was loaded.";
     if (!missing.empty()) problem << " Missing: " << join(missing) << ".";
     if (!unexpected.empty()) problem << " Unexpected: " << join(unexpected) << ".";
     if (!mismatched.empty()) problem << " Wrong shape: " << join(mismatched) << ".";
     if (!not_floating.empty()) problem << " Not floating-point: " << join(not_floating) << ".";
-    if (layout == StateDictLayout::MultiheadAttention && missing.size() + unexpected.size() > 0) {
-      problem << " (nn.MultiheadAttention weights need SelfAttentionOptions(E).num_heads(H).out_proj(true)"
-              << " and bias matching the Python module's.)";
-    }
+    if (!hint.empty() && missing.size() + unexpected.size() + mismatched.size() > 0) problem << " " << hint;
     TORCH_CHECK(false, problem.str());
   }
-
   torch::NoGradGuard no_grad;
   for (auto& item : parameters) {
-    item.value().copy_(mapped.at(item.key()));  // copy_ converts dtype and device
+    item.value().copy_(tensors.at(item.key()));  // copy_ converts dtype and device
   }
+}
+
+}  // namespace
+
+void load_state_dict(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
+                     const std::string& source) {
+  load_checked(module, tensors, source, detect_layout(tensors), "");
+}
+
+void load_state_dict(SelfAttention& module, const std::map<std::string, torch::Tensor>& tensors,
+                     const std::string& source) {
+  const auto layout = detect_layout(tensors);
+  if (layout == StateDictLayout::MultiheadAttention) {
+    load_checked(*module, from_multihead_layout(tensors, source), source, layout,
+                 "(nn.MultiheadAttention weights need SelfAttentionOptions(E).num_heads(H).out_proj(true) and bias "
+                 "matching the Python module's.)");
+  } else {
+    load_checked(*module, tensors, source, layout,
+                 "(With grouped-query heads, W_k and W_v are (num_kv_heads * head width, kdim): set num_kv_heads to "
+                 "the Python module's.)");
+  }
+}
+
+void load_state_dict(TransformerBlock& block, const std::map<std::string, torch::Tensor>& tensors,
+                     const std::string& source) {
+  load_checked(*block, tensors, source, detect_layout(tensors),
+               "(A block's shapes follow d_model, num_kv_heads, mlp_ratio and bias: set them as the Python module's.)");
 }
 
 void load_state_dict(SelfAttention& module, const std::string& path) {
   load_state_dict(module, read_tensor_dict(path), path);
 }
 
-void save_tensor_dict(const std::map<std::string, torch::Tensor>& tensors, const std::string& path) {
-  c10::Dict<std::string, torch::Tensor> dict;
-  for (const auto& [name, tensor] : tensors) dict.insert(name, tensor.detach().to(torch::kCPU).contiguous());
-  const auto bytes = torch::pickle_save(c10::IValue(dict));
-  const std::string temporary = path + ".tmp";
-  {
-    std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
-    TORCH_CHECK(file.good(), "save_tensor_dict: cannot write ", temporary);
-    file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    file.close();
-    if (!file.good()) std::remove(temporary.c_str());
-    TORCH_CHECK(file.good(), "save_tensor_dict: writing ", temporary, " failed");
-  }
-  TORCH_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "save_tensor_dict: cannot rename ", temporary, " to ",
-              path);
+void load_state_dict(TransformerBlock& block, const std::string& path) {
+  load_state_dict(block, read_tensor_dict(path), path);
 }
 
-void save_state_dict(const SelfAttention& module, const std::string& path) {
+void save_tensor_dict(const std::map<std::string, torch::Tensor>& tensors, const std::string& path) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [name, tensor] : tensors) dict.insert(name, tensor.detach().to(torch::kCPU).contiguous());
+  const auto bytes = detail::torch_save_bytes(c10::IValue(dict));
+  try {
+    detail::write_file_atomically(path, bytes.data(), bytes.size());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "save_tensor_dict: ", e.what_without_backtrace());
+  }
+}
+
+void save_state_dict(const torch::nn::Module& module, const std::string& path) {
   std::map<std::string, torch::Tensor> tensors;
-  for (const auto& item : module->named_parameters()) tensors.emplace(item.key(), item.value());
+  for (const auto& item : module.named_parameters()) tensors.emplace(item.key(), item.value());
   save_tensor_dict(tensors, path);
 }
+
+void save_state_dict(const SelfAttention& module, const std::string& path) { save_state_dict(*module, path); }
+
+void save_state_dict(const TransformerBlock& block, const std::string& path) { save_state_dict(*block, path); }
 
 }  // namespace qkv

@@ -79,7 +79,7 @@ TEST_F(Masks, FullyMaskedRowsAreZeroAndGradientsFinite) {
   }
   // The same through the default (possibly fused) path.
   auto output = module_->forward(x, {}, mask);
-  EXPECT_TRUE(qkv_test::tensors_close(output, result.output, 1e-5)) << "backend " << module_->last_backend();
+  EXPECT_TRUE(qkv_test::tensors_close(output, result.output, 1e-5)) << "backend " << module_->backend_for(x);
 }
 
 TEST_F(Masks, FloatMaskAddsToScores) {

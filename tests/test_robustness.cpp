@@ -35,6 +35,26 @@ TEST(EdgeInputs, EmptySequencesAndBatchesGiveEmptyOrZeroOutputs) {
   EXPECT_TRUE(x.grad().isfinite().all().item<bool>());
 }
 
+// An empty context with key masks is legal and gives what the unmasked empty context gives (it
+// used to reach reshape({-1, 0}) and fail with ATen's "ambiguous" message).
+TEST(EdgeInputs, EmptyContextWithKeyMasksGivesTheUnmaskedResult) {
+  auto module = small_module();
+  const auto x = torch::randn({2, 3, 8});
+  const auto empty = torch::randn({2, 0, 8});
+  const auto unmasked = module(x, empty);
+  qkv::AttentionMask by_mask = qkv::AttentionMask::from_key_mask(torch::ones({2, 0}, torch::kBool));
+  qkv::AttentionMask by_lengths = qkv::AttentionMask::from_lengths(torch::zeros({2}, torch::kLong));
+  qkv::AttentionMask both = by_mask;
+  both.key_lengths = by_lengths.key_lengths;
+  for (const auto* mask : {&by_mask, &by_lengths, &both}) {
+    EXPECT_TRUE(qkv_test::tensors_close(module(x, empty, *mask), unmasked, 0.0));
+    EXPECT_TRUE(qkv_test::tensors_close(module->forward_with_weights(x, empty, *mask).output, unmasked, 0.0));
+  }
+  // Unbatched too: key_mask (S,) = (0,).
+  EXPECT_TRUE(qkv_test::tensors_close(
+      module(x[0], empty[0], qkv::AttentionMask::from_key_mask(torch::ones({0}, torch::kBool))), unmasked[0], 0.0));
+}
+
 TEST(EdgeInputs, NonContiguousAndExpandedInputsGiveTheSameResults) {
   auto module = small_module();
   auto x = torch::randn({3, 5, 8});

@@ -126,7 +126,7 @@ TEST(StateDict, UnreadableFilesAreRefusedNamingTheFile) {
   std::ofstream(empty).close();
   std::ofstream(garbage) << "this is not a torch.save file";
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {(dir / "qkv_no_such_file.pt").string(), "cannot open"},
+      {(dir / "qkv_no_such_file.pt").string(), "cannot read"},
       {empty, "is empty"},
       {garbage, "not written by torch.save"},
       {qkv_test::data_path("interop_documents_io.pt"), "entries that are not tensors: generated_by"},

@@ -20,7 +20,9 @@ TEST(WorkedExamples, TwoTokensIdentityQueriesAndKeys) {
   auto v = torch::tensor({{10.0f}, {20.0f}});
   auto result = attend(eye, eye, v);
   // Rows (0.67, 0.33) and (0.33, 0.67): each token attends most to itself.
-  EXPECT_TRUE(qkv_test::tensors_close(result.weights, torch::tensor({{0.67f, 0.33f}, {0.33f, 0.67f}}), 0.005));
+  // The documents print two decimals: an absolute error of half a unit in the last place.
+  EXPECT_TRUE(qkv_test::tensors_close(result.weights, torch::tensor({{0.67f, 0.33f}, {0.33f, 0.67f}}), 0.005,
+                                      /*scale=*/1.0));
   // Outputs 13.3 and 16.7.
   EXPECT_NEAR(result.output[0][0].item<double>(), 13.3, 0.05);
   EXPECT_NEAR(result.output[1][0].item<double>(), 16.7, 0.05);
@@ -52,9 +54,11 @@ TEST(WorkedExamples, SoftmaxAndWeightedValues) {
   auto k = torch::tensor({{1.0f, 0.0f}, {0.5f, 0.0f}, {0.0f, 0.0f}});  // q·k = 1.0, 0.5, 0.0
   auto v = torch::tensor({{0.8f, 0.2f}, {0.3f, 0.7f}, {0.1f, 0.9f}});
   auto result = attend(q, k, v, /*scale=*/1.0);
-  EXPECT_TRUE(qkv_test::tensors_close(result.weights, torch::tensor({{0.506f, 0.307f, 0.186f}}), 0.0006));
+  EXPECT_TRUE(qkv_test::tensors_close(result.weights, torch::tensor({{0.506f, 0.307f, 0.186f}}), 0.0006,
+                                      /*scale=*/1.0));  // three decimals printed
   // The documents add rounded terms (0.405 + 0.092 + 0.019 ...); the exact sum differs by < 0.0015.
-  EXPECT_TRUE(qkv_test::tensors_close(result.output, torch::tensor({{0.516f, 0.483f}}), 0.0015));
+  EXPECT_TRUE(qkv_test::tensors_close(result.output, torch::tensor({{0.516f, 0.483f}}), 0.0015,
+                                      /*scale=*/1.0));
 }
 
 // 000_*.txt: scores [2, 1, 0] give [0.67, 0.24, 0.09]; [20, 10, 0] give [0.9999, 0.0001, 0.0000].
@@ -62,9 +66,11 @@ TEST(WorkedExamples, SoftmaxSaturation) {
   auto q = torch::tensor({{1.0}}, torch::kDouble);
   auto v = torch::eye(3, torch::kDouble);
   auto mild = attend(q, torch::tensor({{2.0}, {1.0}, {0.0}}, torch::kDouble), v, 1.0);
-  EXPECT_TRUE(qkv_test::tensors_close(mild.weights, torch::tensor({{0.67, 0.24, 0.09}}, torch::kDouble), 0.005));
+  EXPECT_TRUE(qkv_test::tensors_close(mild.weights, torch::tensor({{0.67, 0.24, 0.09}}, torch::kDouble), 0.005,
+                                      /*scale=*/1.0));
   auto saturated = attend(q, torch::tensor({{20.0}, {10.0}, {0.0}}, torch::kDouble), v, 1.0);
-  EXPECT_TRUE(qkv_test::tensors_close(saturated.weights, torch::tensor({{0.9999, 0.0001, 0.0}}, torch::kDouble), 1e-4));
+  EXPECT_TRUE(qkv_test::tensors_close(saturated.weights, torch::tensor({{0.9999, 0.0001, 0.0}}, torch::kDouble),
+                                      1e-4, /*scale=*/1.0));
 }
 
 // 002_*.txt: the attention matrix is row-stochastic but not symmetric in general.

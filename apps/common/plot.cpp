@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <stdexcept>
@@ -264,40 +265,47 @@ void write_line_plots(const std::string& path, const std::vector<LinePlot>& pane
 }
 
 void write_heatmaps(const std::string& path, const std::string& title, const std::vector<Heatmap>& panels,
-                    const std::string& row_label, const std::string& col_label) {
+                    const std::string& row_label, const std::string& col_label, int columns) {
   const int rows = panels.empty() ? 1 : panels.front().rows;
   const int cols = panels.empty() ? 1 : panels.front().cols;
-  const int cell = std::max(4, std::min(48, 360 / std::max(rows, cols)));
+  const int per_row = columns > 0 ? std::min<int>(columns, static_cast<int>(std::max<size_t>(panels.size(), 1)))
+                                  : static_cast<int>(std::max<size_t>(panels.size(), 1));
+  const int grid_rows = (static_cast<int>(panels.size()) + per_row - 1) / std::max(per_row, 1);
+  const int cell = std::max(4, std::min(48, (grid_rows > 1 ? 240 : 360) / std::max(rows, cols)));
   const int panel_w = cols * cell, panel_h = rows * cell;
-  const int gap = 40, left = 60, top = 70, bar_w = 18;
-  const int width = std::max(left + static_cast<int>(panels.size()) * (panel_w + gap) + 70,
-                             Canvas::text_width(title, 2) + 40);
-  const int height = top + panel_h + 60;
+  const int gap = 40, left = 60, top = 70, bar_w = 18, row_gap = 70;
+  const int width = std::max(left + per_row * (panel_w + gap) + 70, Canvas::text_width(title, 2) + 40);
+  const int height = top + std::max(grid_rows, 1) * (panel_h + row_gap) - row_gap + 60;
   Canvas canvas(width, height);
   canvas.text((width - Canvas::text_width(title, 2)) / 2, 10, title, kBlack, 2);
+  // Character labels need a cell as wide as a glyph (stb_easy_font: about 6 px).
+  const bool show_labels = cell >= 7;
   for (size_t p = 0; p < panels.size(); ++p) {
     const auto& panel = panels[p];
-    const int px = left + static_cast<int>(p) * (panel_w + gap);
-    canvas.text(px + (panel_w - Canvas::text_width(panel.title, 2)) / 2, top - 26, panel.title, kBlack, 2);
+    const int px = left + static_cast<int>(p % per_row) * (panel_w + gap);
+    const int py = top + static_cast<int>(p / per_row) * (panel_h + row_gap);
+    canvas.text(px + (panel_w - Canvas::text_width(panel.title, 2)) / 2, py - 26, panel.title, kBlack, 2);
     for (int r = 0; r < panel.rows; ++r)
       for (int c = 0; c < panel.cols; ++c)
-        canvas.rect(px + c * cell, top + r * cell, px + (c + 1) * cell, top + (r + 1) * cell,
+        canvas.rect(px + c * cell, py + r * cell, px + (c + 1) * cell, py + (r + 1) * cell,
                     colormap(panel.values[static_cast<size_t>(r) * panel.cols + c]));
-    // Index ticks on both axes (every few rows when there are many).
-    const int every = std::max(1, 16 * 1 / cell + (rows > 16 ? rows / 8 : 0));
+    // Ticks on both axes: the labels when given and legible, else indices every few rows.
+    const bool labelled = show_labels && static_cast<int>(panel.row_labels.size()) == panel.rows &&
+                          static_cast<int>(panel.col_labels.size()) == panel.cols;
+    const int every = labelled ? 1 : std::max(1, 16 * 1 / cell + (rows > 16 ? rows / 8 : 0));
     for (int r = 0; r < panel.rows; r += every) {
-      const auto label = std::to_string(r);
-      canvas.text(px - 4 - Canvas::text_width(label), top + r * cell + cell / 2 - 4, label, kBlack);
+      const auto label = labelled ? panel.row_labels[static_cast<size_t>(r)] : std::to_string(r);
+      canvas.text(px - 4 - Canvas::text_width(label), py + r * cell + cell / 2 - 4, label, kBlack);
     }
     for (int c = 0; c < panel.cols; c += every) {
-      const auto label = std::to_string(c);
-      canvas.text(px + c * cell + cell / 2 - Canvas::text_width(label) / 2, top + panel_h + 4, label, kBlack);
+      const auto label = labelled ? panel.col_labels[static_cast<size_t>(c)] : std::to_string(c);
+      canvas.text(px + c * cell + cell / 2 - Canvas::text_width(label) / 2, py + panel_h + 4, label, kBlack);
     }
-    canvas.text(px + (panel_w - Canvas::text_width(col_label, 2)) / 2, top + panel_h + 18, col_label, kBlack, 2);
-    if (p == 0) canvas.vertical_text(8, top + panel_h / 2, row_label, kBlack, 2);
+    canvas.text(px + (panel_w - Canvas::text_width(col_label, 2)) / 2, py + panel_h + 18, col_label, kBlack, 2);
+    if (p % per_row == 0) canvas.vertical_text(8, py + panel_h / 2, row_label, kBlack, 2);
   }
   // The colour scale.
-  const int bx = left + static_cast<int>(panels.size()) * (panel_w + gap);
+  const int bx = left + per_row * (panel_w + gap);
   for (int y = 0; y < panel_h; ++y) canvas.rect(bx, top + y, bx + bar_w, top + y + 1, colormap(1.0 - double(y) / panel_h));
   for (double t : {0.0, 0.25, 0.5, 0.75, 1.0}) {
     const int y = top + static_cast<int>((1.0 - t) * (panel_h - 1));

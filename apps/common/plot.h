@@ -35,6 +35,9 @@ struct Heatmap {
   int rows = 0;
   int cols = 0;
   std::vector<float> values;  // row-major, rows * cols
+  /// Tick labels (e.g. the characters of a text), shown instead of indices where the cells are
+  /// wide enough; one short ASCII string per row / column, or empty.
+  std::vector<std::string> row_labels = {}, col_labels = {};
 };
 
 /// Colours for up to six series, distinguishable in colour and in grey.
@@ -45,8 +48,9 @@ Color series_color(int index);
 /// `columns` panels per row (0: all in one row).
 void write_line_plots(const std::string& path, const std::vector<LinePlot>& panels, int panel_width = 560,
                       int panel_height = 400, int columns = 0);
-/// Heatmaps side by side, one colour scale (0 to 1) for all, with axis labels.
+/// Heatmaps of one size in a grid of `columns` panels per row (0: all in one row), one colour
+/// scale (0 to 1) for all, with axis labels.
 void write_heatmaps(const std::string& path, const std::string& title, const std::vector<Heatmap>& panels,
-                    const std::string& row_label, const std::string& col_label);
+                    const std::string& row_label, const std::string& col_label, int columns = 0);
 
 }  // namespace qkv_plot

@@ -9,6 +9,7 @@
 // flop_count) and peak memory (CUDA: the caching allocator's peak of allocated bytes; CPU: the
 // process's peak resident set, which includes LibTorch itself).
 #include "bench_cases.h"
+#include "common/cli_support.h"
 
 #include <qkv/qkv.h>
 
@@ -75,17 +76,10 @@ double flop_count(const Case& c) {
   return attention + projections;
 }
 
-torch::ScalarType dtype_of(const std::string& name) {
-  if (name == "bfloat16") return torch::kBFloat16;
-  if (name == "float16") return torch::kHalf;
-  if (name == "float64") return torch::kDouble;
-  return torch::kFloat;
-}
-
 // One iteration of `c`, with everything it needs built once.
 std::function<void()> make_iteration(const Case& c, const torch::Device& device) {
   torch::manual_seed(0);
-  const auto options = torch::TensorOptions().device(device).dtype(dtype_of(c.dtype));
+  const auto options = torch::TensorOptions().device(device).dtype(qkv_cli::dtype_from_name(c.dtype));
   if (is_core(c)) {
     // q, k, v: (B, H, N, D), as the attention core sees them inside the module.
     const std::vector<int64_t> shape{std::max<int64_t>(c.batch, 1), c.heads, c.seq_len, c.head_dim};
@@ -105,7 +99,7 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
     };
   }
   auto model = qkv::SelfAttention(qkv::SelfAttentionOptions(c.d_model).num_heads(c.heads).causal(c.causal));
-  model->to(device, dtype_of(c.dtype));
+  model->to(device, qkv_cli::dtype_from_name(c.dtype));
   const auto input_shape = c.batch > 0 ? std::vector<int64_t>{c.batch, c.seq_len, c.d_model}
                                        : std::vector<int64_t>{c.seq_len, c.d_model};
   auto x = torch::randn(input_shape, options);
@@ -187,14 +181,7 @@ int main(int argc, char** argv) {
   app.add_option("--device", device_name, "Run the cases of this device")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--threads", threads, "CPU threads for LibTorch (0 = its default)")->check(CLI::Range(0, 1024));
   app.add_flag("--list", list, "Print the cases of --device, one per line, and exit");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "qkv-bench: error: %s (see --help)\n", e.what());
-    return 2;
-  }
+  if (const auto exit_code = qkv_cli::parse(app, argc, argv)) return *exit_code;
   if (device_name == "cuda" && !torch::cuda::is_available()) {
     std::fprintf(stderr, "qkv-bench: --device cuda: no CUDA device is available to this LibTorch (%s)\n",
                  TORCH_VERSION);

@@ -1,21 +1,22 @@
 #include "checkpoint.h"
 
+#include "archive_integrity.h"
+#include "atomic_file.h"
+#include "torch_file.h"
+
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <stdexcept>
 
 namespace qkv_train {
 namespace fs = std::filesystem;
 
-void save_checkpoint(const std::string& dir, qkv::SelfAttention& model, torch::optim::Optimizer& optimizer,
+void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                      const CheckpointState& state) {
-  const auto final_path = fs::path(dir) / kCheckpointFile;
-  const auto temporary = fs::path(dir) / (std::string(kCheckpointFile) + ".tmp");
+  const auto path = (fs::path(dir) / kCheckpointFile).string();
   try {
     torch::serialize::OutputArchive archive;
     torch::serialize::OutputArchive model_archive, optimizer_archive;
-    model->save(model_archive);
+    model.save(model_archive);
     optimizer.save(optimizer_archive);
     archive.write("model", model_archive);
     archive.write("optimizer", optimizer_archive);
@@ -24,14 +25,15 @@ void save_checkpoint(const std::string& dir, qkv::SelfAttention& model, torch::o
     archive.write("last_loss", torch::tensor(state.last_loss, torch::kDouble));
     archive.write("options", c10::IValue(state.options.dump()));
     archive.write("cpu_rng_state", at::detail::getDefaultCPUGenerator().get_state());
-    archive.save_to(temporary.string());
+    std::vector<char> bytes;
+    archive.save_to([&](const void* data, size_t size) -> size_t {
+      bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
+      return size;
+    });
+    qkv::detail::write_file_atomically(path, bytes.data(), bytes.size());
   } catch (const c10::Error& e) {
-    throw std::runtime_error("cannot write checkpoint " + temporary.string() + ": " + e.what_without_backtrace());
+    throw std::runtime_error("cannot write checkpoint " + path + ": " + e.what_without_backtrace());
   }
-  std::error_code error;
-  fs::rename(temporary, final_path, error);
-  if (error) throw std::runtime_error("cannot rename " + temporary.string() + " to " + final_path.string() + ": " +
-                                      error.message());
 }
 
 namespace {
@@ -39,12 +41,10 @@ namespace {
 torch::serialize::InputArchive open_archive(const std::string& dir) {
   const auto path = (fs::path(dir) / kCheckpointFile).string();
   if (!fs::exists(path)) throw std::runtime_error("--resume: no checkpoint at " + path);
-  std::ifstream file(path, std::ios::binary);
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  if (!file.good() && !file.eof()) throw std::runtime_error("--resume: cannot read " + path);
   torch::serialize::InputArchive archive;
   try {
-    qkv::verify_torch_archive(bytes.data(), bytes.size(), path);
+    const auto bytes = qkv::detail::read_file_bytes(path, "--resume");
+    qkv::detail::verify_torch_archive(bytes.data(), bytes.size(), path);
     archive.load_from(bytes.data(), bytes.size());
   } catch (const c10::Error& e) {
     throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what_without_backtrace());
@@ -81,14 +81,13 @@ CheckpointState read_checkpoint_state(const std::string& dir) {
   }
 }
 
-CheckpointState load_checkpoint(const std::string& dir, qkv::SelfAttention& model,
-                                 torch::optim::Optimizer& optimizer) {
+CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   auto archive = open_archive(dir);
   try {
     torch::serialize::InputArchive model_archive, optimizer_archive;
     archive.read("model", model_archive);
     archive.read("optimizer", optimizer_archive);
-    model->load(model_archive);
+    model.load(model_archive);
     optimizer.load(optimizer_archive);
     torch::Tensor rng_state;
     archive.read("cpu_rng_state", rng_state);

@@ -1,9 +1,7 @@
 // Training checkpoints: model, optimizer state, step, options and RNG state in one LibTorch
-// archive, written to a temporary name and renamed so that a crash mid-write never leaves a
-// broken latest checkpoint.
+// archive, replaced durably (write, fsync, rename, fsync the folder) so that a crash or power
+// loss never leaves a broken latest checkpoint.
 #pragma once
-
-#include <qkv/qkv.h>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -22,13 +20,13 @@ struct CheckpointState {
 };
 
 /// Writes DIR/checkpoint.pt atomically. Throws std::runtime_error naming the path on failure.
-void save_checkpoint(const std::string& dir, qkv::SelfAttention& model, torch::optim::Optimizer& optimizer,
+void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                      const CheckpointState& state);
 
 /// Reads only the options and step of DIR/checkpoint.pt (to check a resume before building the model).
 CheckpointState read_checkpoint_state(const std::string& dir);
 
 /// Loads DIR/checkpoint.pt into `model` and `optimizer` and restores the CPU RNG state.
-CheckpointState load_checkpoint(const std::string& dir, qkv::SelfAttention& model, torch::optim::Optimizer& optimizer);
+CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
 
 }  // namespace qkv_train

@@ -1,9 +1,10 @@
 // qkv-train's command line: CLI11 options, their checks, --resume's merge with the checkpoint's
-// options, and the task defaults.
+// options, and the task defaults. What each task reads comes from task_registry.
 #include "cli.h"
 
 #include "checkpoint.h"
-#include "tasks.h"
+#include "common/cli_support.h"
+#include "task_registry.h"
 
 #include <qkv/version.h>
 
@@ -18,66 +19,59 @@ namespace qkv_train {
 
 namespace {
 
-// Bad command lines: one line on stderr, exit status 2.
-int usage_error(const std::string& message) {
-  std::string line = message;
-  std::replace(line.begin(), line.end(), '\n', ' ');
-  std::fprintf(stderr, "qkv-train: error: %s (see --help)\n", line.c_str());
-  return 2;
+int usage_error(const std::string& message) { return qkv_cli::usage_error("qkv-train", message); }
+
+std::string program_description() {
+  std::string text = "qkv-train: train qkv's attention on tasks and watch it learn (qkv " QKV_VERSION_STRING ").\nTasks:";
+  for (const auto& task : task_registry()) text += "\n  " + task.name + ": " + task.description;
+  return text;
 }
 
-// With --resume, options the command line leaves out come from the checkpoint. Options it sets
-// must agree with the checkpoint's where they define the model; others (batch, lr, seed, steps)
-// may change, with a warning where the run then differs from one that never stopped.
-// Returns a problem, or "".
-std::string merge_resumed_options(const CLI::App& app, qkv_train::RunConfig& config) {
-  const auto saved = qkv_train::read_checkpoint_state(config.resume_dir).options;
-  const auto current = qkv_train::to_json(config);
-  const std::pair<const char*, const char*> model_flags[] = {
-      {"task", "--task"},   {"d_model", "--d-model"}, {"heads", "--heads"},         {"seq_len", "--seq-len"},
-      {"causal", "--causal"}, {"dtype", "--dtype"},   {"optimizer", "--optimizer"}, {"scale", "--scale"}};
-  for (const auto& [key, flag] : model_flags) {
-    if (app.count(flag) > 0 && current.at(key) != saved.at(key)) {
-      return std::string("--resume: the checkpoint in ") + config.resume_dir + " was trained with " + flag + " " +
-             saved.at(key).dump() + ", the command line asks for " + current.at(key).dump();
-    }
+// "--task X" followed by the task's default: " (by task: seed 8, reverse 48, ...)".
+std::string by_task(const std::function<std::string(const TaskDefaults&)>& value) {
+  std::string text = " (by task:";
+  for (const auto& task : task_registry()) {
+    const auto shown = value(task.defaults);
+    if (!shown.empty()) text += " " + task.name + " " + shown + ",";
   }
-  const std::pair<const char*, const char*> run_flags[] = {{"batch", "--batch"}, {"lr", "--lr"}, {"seed", "--seed"}};
-  for (const auto& [key, flag] : run_flags) {
-    if (app.count(flag) > 0 && current.at(key) != saved.at(key)) {
-      spdlog::warn("--resume with {} {} (the checkpoint's run used {}): the losses will differ from an uninterrupted "
-                   "run", flag, current.at(key).dump(), saved.at(key).dump());
-    }
+  text.back() = ')';
+  return text;
+}
+
+std::string integer(int64_t value) { return std::to_string(value); }
+
+std::string real(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", value);
+  return text;
+}
+
+// The flags the command line gave that the task does not read.
+std::vector<std::string> unread_flags(const CLI::App& app, const TaskSpec& task) {
+  std::vector<std::string> unread;
+  for (const auto* option : app.get_options()) {
+    const auto names = option->get_lnames();
+    if (names.empty() || option->count() == 0) continue;
+    const auto flag = "--" + names.front();
+    if (flag != "--help" && !task.reads(flag)) unread.push_back(flag);
   }
-  auto take = [&](const char* key, const char* flag, auto& field) {
-    if (app.count(flag) == 0) field = saved.at(key).get<std::decay_t<decltype(field)>>();
-  };
-  take("task", "--task", config.task);
-  take("d_model", "--d-model", config.d_model);
-  take("heads", "--heads", config.heads);
-  take("seq_len", "--seq-len", config.seq_len);
-  take("causal", "--causal", config.causal);
-  take("dtype", "--dtype", config.dtype_name);
-  take("optimizer", "--optimizer", config.optimizer);
-  take("batch", "--batch", config.batch);
-  take("lr", "--lr", config.lr);
-  take("seed", "--seed", config.seed);
-  take("steps", "--steps", config.steps);
-  take("log_every", "--log-every", config.log_every);
-  take("eval_every", "--eval-every", config.eval_every);
-  take("checkpoint_every", "--checkpoint-every", config.checkpoint_every);
-  if (app.count("--scale") == 0) {
-    config.scale = saved.at("scale").is_null() ? std::nullopt : std::optional<double>(saved.at("scale").get<double>());
-  }
-  return "";
+  return unread;
+}
+
+std::string joined(const std::vector<std::string>& items) {
+  std::string text;
+  for (const auto& item : items) text += (text.empty() ? "" : " ") + item;
+  return text;
 }
 
 }  // namespace
 
 std::string distributed_option_problem(const RunConfig& config, int world_size) {
-  if (config.task == "seed" || config.task == "scaling") {
-    return "--task " + config.task + " runs in one process; data-parallel training needs --task reverse or lookup";
+  const auto& task = find_task(config.task);
+  if (!task.trained()) {
+    return "--task " + config.task + " runs in one process; data-parallel training needs a trained task";
   }
+  if (config.generate) return "--generate runs in one process";
   if (config.batch % world_size != 0) {
     return "--batch " + std::to_string(config.batch) + " is the total batch and must divide evenly over the " +
            std::to_string(world_size) + " processes";
@@ -88,58 +82,98 @@ std::string distributed_option_problem(const RunConfig& config, int world_size) 
 int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   std::string log_level = "info";
   double scale = 0.0;
+  int64_t kv_heads = 0;
+  std::vector<std::string> task_names;
+  for (const auto& task : task_registry()) task_names.push_back(task.name);
 
-  CLI::App app{"qkv-train: train qkv::SelfAttention on toy tasks and watch attention learn (qkv " QKV_VERSION_STRING
-               ").\nTasks: seed = the documents' example; reverse = output position i copies input position "
-               "N-1-i; lookup = recall the value stored under a query key; scaling = the documents' experiment for "
-               "sqrt(d_k).",
-               "qkv-train"};
+  CLI::App app{program_description(), "qkv-train"};
   app.option_defaults()->always_capture_default();
-  const char* task_default = " (by task: seed / reverse / lookup = ";
-  app.add_option("--task", config.task, "Task")->check(CLI::IsMember({"seed", "reverse", "lookup", "scaling"}));
+  app.add_option("--task", config.task, "Task")->check(CLI::IsMember(task_names));
   app.add_option("--device", config.device_name, "Device; auto picks CUDA when present")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--dtype", config.dtype_name, "Parameter and input dtype")
       ->check(CLI::IsMember({"float32", "float64", "bfloat16"}));
-  app.add_option("--d-model", config.d_model, std::string("Model width E") + task_default + "8 / 48 / 33; scaling 256)")
+  app.add_option("--d-model", config.d_model, "Model width E" + by_task([](auto& d) { return integer(d.d_model); }))
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
       ->default_str("by task");
-  app.add_option("--heads", config.heads, "Attention heads H (d_model must be divisible by it)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 12));
-  app.add_option("--seq-len", config.seq_len, std::string("Sequence length N") + task_default + "4 / 16 / 17)")
+  app.add_option("--heads", config.heads,
+                 "Attention heads H (d_model must be divisible by it)" +
+                     by_task([](auto& d) { return d.heads > 1 ? integer(d.heads) : std::string(); }) + "; else 1")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 12))
+      ->default_str("by task");
+  app.add_option("--kv-heads", kv_heads, "Key/value heads (grouped-query attention; must divide --heads)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 12))
+      ->default_str("--heads");
+  app.add_option("--layers", config.layers, "Transformer blocks of the language model")
+      ->check(CLI::Range(int64_t{1}, int64_t{256}))
+      ->default_str(by_task([](auto& d) { return d.layers > 0 ? integer(d.layers) : std::string(); }).substr(1));
+  app.add_option("--seq-len", config.seq_len, "Sequence length N" + by_task([](auto& d) { return integer(d.seq_len); }))
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
       ->default_str("by task");
-  app.add_option("--batch", config.batch, std::string("Batch size B") + task_default + "1 / 64 / 64)")
+  app.add_option("--batch", config.batch, "Batch size B" + by_task([](auto& d) { return integer(d.batch); }))
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
       ->default_str("by task");
-  app.add_option("--steps", config.steps, std::string("Training steps") + task_default + "1 / 800 / 2000; scaling 300)")
+  app.add_option("--steps", config.steps, "Training steps" + by_task([](auto& d) { return integer(d.steps); }))
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->default_str("by task");
-  app.add_option("--lr", config.lr, std::string("Learning rate") + task_default + "0.01 / 0.01 / 0.003)")
+  app.add_option("--lr", config.lr, "Learning rate (the peak of lm's schedule)" + by_task([](auto& d) { return real(d.lr); }))
       ->check(CLI::PositiveNumber)
       ->default_str("by task");
-  app.add_option("--optimizer", config.optimizer, "Optimizer")->check(CLI::IsMember({"adam", "sgd"}));
+  app.add_option("--optimizer", config.optimizer, "Optimizer of the toy tasks (lm uses AdamW)")
+      ->check(CLI::IsMember({"adam", "sgd"}));
   app.add_option("--seed", config.seed, "Random seed (42 = the documents' example)");
   app.add_option("--threads", config.threads, "CPU threads for LibTorch (0 = its default)")->check(CLI::Range(0, 1024));
   app.add_flag("--causal", config.causal, "Causal mask: position i attends only to positions <= i");
   app.add_option("--scale", scale, "Multiplier of QKᵀ (1.0 = unscaled, the documents' warning)")
       ->check(CLI::PositiveNumber)
       ->default_str("1/sqrt(d_model/heads)");
-  app.add_option("--log-every", config.log_every, "Log line and metrics.csv row every N steps")
+  app.add_option("--log-every", config.log_every,
+                 "Log line and metrics.csv row every N steps" + by_task([](auto& d) { return integer(d.log_every); }))
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->default_str("by task");
-  app.add_option("--eval-every", config.eval_every, "Evaluate (and draw) every N steps")
+  app.add_option("--eval-every", config.eval_every,
+                 "Evaluate every N steps" + by_task([](auto& d) { return integer(d.eval_every); }))
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->default_str("by task");
-  app.add_option("--out", config.out_dir, "Folder for metrics.csv, summary.json, loss.png, attention.png, checkpoint.pt, model.pt");
+  app.add_option("--out", config.out_dir, "Folder for metrics.csv, summary.json, pictures, checkpoint.pt, model.pt");
   app.add_option("--checkpoint-every", config.checkpoint_every, "Write a checkpoint every N steps (0 = only at the end)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--resume", config.resume_dir, "Continue from the checkpoint in this folder")
+  app.add_option("--resume", config.resume_dir, "Continue from the checkpoint in this folder (lm: or generate from it)")
       ->check(CLI::ExistingDirectory);
   app.add_option("--init-weights", config.init_weights,
-                 "Start from these weights: a file of Python's torch.save(dict(model.state_dict()), path), in the "
-                 "documents' or nn.MultiheadAttention's layout")
+                 "Start from these weights: a file of Python's torch.save(dict(model.state_dict()), path) (toy tasks: "
+                 "the documents' or nn.MultiheadAttention's layout)")
       ->check(CLI::ExistingFile);
+  // The language model.
+  app.add_option("--data", config.data_path,
+                 "lm: a UTF-8 text file to train on (character-level); default: The Devil's Dictionary from Debian's "
+                 "dict-devil")
+      ->check(CLI::ExistingFile)
+      ->default_str("/usr/share/dictd/devil.dict.dz");
+  app.add_option("--dropout", config.dropout, "lm: dropout on attention weights and residual branches")
+      ->check(CLI::Range(0.0, 0.95))
+      ->default_str(by_task([](auto& d) { return d.layers > 0 ? real(d.dropout) : std::string(); }).substr(1));
+  app.add_option("--weight-decay", config.weight_decay, "lm: AdamW's weight decay (matrices and embeddings only)")
+      ->check(CLI::Range(0.0, 10.0));
+  app.add_option("--warmup-steps", config.warmup_steps, "lm: linear warmup steps before the cosine decay")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->default_str(by_task([](auto& d) { return d.layers > 0 ? integer(d.warmup_steps) : std::string(); }).substr(1));
+  app.add_option("--grad-clip", config.grad_clip, "lm: largest global gradient norm (0 = no clipping)")
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_flag("--tie-weights", config.tie_weights, "lm: the output layer shares the token embedding's weights");
+  app.add_flag("--generate", config.generate,
+               "lm: print text sampled from a trained model (--resume DIR or --init-weights FILE) instead of training");
+  app.add_option("--prompt", config.prompt, "lm: text the samples continue (every character must be in the vocabulary)");
+  app.add_option("--max-new-tokens", config.max_new_tokens, "lm: characters to generate")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--temperature", config.temperature, "lm: sampling temperature (0 = greedy)")
+      ->check(CLI::Range(0.0, 100.0));
+  app.add_option("--top-k", config.top_k, "lm: sample among the k most likely characters only")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->default_str("all");
+  app.add_flag("--no-kv-cache", config.no_kv_cache,
+               "lm: generate by recomputing the whole prefix for every token (to compare with the KV cache)");
+  // Data parallelism.
   app.add_option("--nproc", config.nproc,
                  "Data-parallel training on N processes of this machine (as torchrun --nproc_per_node N does); "
                  "--batch is the total over them")
@@ -158,46 +192,51 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   app.add_option("--log-level", log_level, "Log level (the SPDLOG_LEVEL environment variable also works)")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    return usage_error(e.what());
-  }
+  if (const auto exit_code = qkv_cli::parse(app, argc, argv)) return *exit_code;
   if (scale > 0.0) config.scale = scale;
+  if (kv_heads > 0) config.kv_heads = kv_heads;
 
   spdlog::set_level(spdlog::level::from_str(log_level));
   spdlog::cfg::load_env_levels();
   if (config.quiet && app.count("--log-level") == 0) spdlog::set_level(spdlog::level::warn);
 
+  nlohmann::json saved;  // the options of --resume's checkpoint
   try {
     if (!config.resume_dir.empty()) {
-      if (const auto problem = merge_resumed_options(app, config); !problem.empty()) return usage_error(problem);
-      if (config.out_dir.empty()) config.out_dir = config.resume_dir;
+      saved = read_checkpoint_state(config.resume_dir).options;
+      if (app.count("--task") == 0 && saved.contains("task")) config.task = saved.at("task").get<std::string>();
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "qkv-train: %s\n", e.what());
     return 1;
   }
-  if ((config.task == "seed" || config.task == "scaling") &&
-      (!config.resume_dir.empty() || config.checkpoint_every > 0)) {
-    return usage_error("--task " + config.task + " has no checkpoints; --resume and --checkpoint-every need --task "
-                       "reverse or lookup");
+  const auto& task = find_task(config.task);
+
+  // Every option typed is used: one the task does not read is an error, not silently dropped.
+  if (const auto unread = unread_flags(app, task); !unread.empty()) {
+    std::string readable;
+    for (const auto& flag : task.flags) readable += " " + flag;
+    return usage_error(joined(unread) + (unread.size() == 1 ? " is not an option of" : " are not options of") +
+                       " --task " + config.task + " (it reads" + readable + " besides the common ones)");
   }
-  qkv_train::apply_task_defaults(config);
+  if (!config.resume_dir.empty()) {
+    const auto current = model_options(config);
+    for (const auto& [key, flag] : model_option_flags()) {
+      if (app.count(flag) > 0 && saved.contains(key) && current.at(key) != saved.at(key)) {
+        return usage_error("--resume: the checkpoint in " + config.resume_dir + " was trained with " + flag + " " +
+                           saved.at(key).dump() + ", the command line asks for " + current.at(key).dump());
+      }
+    }
+    take_unset_options(config, saved, [&](const char* flag) { return app.count(flag) > 0; });
+    if (config.out_dir.empty() && !config.generate) config.out_dir = config.resume_dir;
+  }
+  apply_task_defaults(config);
   if (config.nproc > 1) {
     if (const auto problem = distributed_option_problem(config, config.nproc); !problem.empty()) {
       return usage_error("--nproc " + std::to_string(config.nproc) + ": " + problem);
     }
   }
-  if (config.task != "seed") {
-    if (config.task == "scaling" && config.d_model <= config.seq_len) {
-      return usage_error("--task scaling trains reverse and needs --d-model > --seq-len");
-    }
-    if (const auto problem = qkv_train::task_option_problem(config); !problem.empty()) return usage_error(problem);
-  }
-
+  if (const auto problem = task.check(config); !problem.empty()) return usage_error(problem);
   return -1;
 }
 

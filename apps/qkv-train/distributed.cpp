@@ -1,7 +1,8 @@
 #include "distributed.h"
 
+#include "torch_compat.h"
+
 #include <spdlog/spdlog.h>
-#include <torch/version.h>
 
 #if defined(QKV_WITH_C10D)
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -108,10 +109,8 @@ Shard shard_of(int64_t batch_size, int rank, int world_size) {
 
 #if defined(QKV_WITH_C10D)
 
-// LibTorch 1.13: a ProcessGroup implements the collectives. LibTorch 2.x: a ProcessGroup
-// dispatches to a Backend (ProcessGroupGloo and ProcessGroupNCCL are Backends), which has the
-// same collective calls. This alias is the one place the two versions differ for qkv.
-#if TORCH_VERSION_MAJOR >= 2
+// The class that implements the collectives (see torch_compat.h); both have the same calls.
+#if QKV_TORCH_C10D_BACKEND_CLASS
 using Collectives = c10d::Backend;
 #else
 using Collectives = c10d::ProcessGroup;
@@ -153,6 +152,7 @@ DataParallel::DataParallel(const DistributedEnv& env, const std::string& backend
     options.numWorkers = static_cast<std::size_t>(env.world_size);
     options.waitWorkers = !use_agent_store;
     options.timeout = timeout;
+    qkv::compat::use_classic_tcp_store(options);
     auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
     if (use_agent_store) {
       const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");

@@ -1,12 +1,12 @@
-// qkv-train: trains qkv::SelfAttention on toy tasks and shows what attention learned.
+// qkv-train: trains qkv's attention on tasks and shows what it learned (the tasks: task_registry.cpp).
 // Exit status: 0 done, 1 runtime failure, 2 bad command line or distributed environment,
 // 130 / 143 stopped by SIGINT / SIGTERM.
 #include "cli.h"
 #include "distributed.h"
 #include "launcher.h"
 #include "run_config.h"
-#include "scaling_task.h"
-#include "seed_task.h"
+#include "task_registry.h"
+#include "tasks/tasks.h"
 #include "trainer.h"
 
 #include <qkv/qkv.h>
@@ -30,9 +30,10 @@ void print_summary(const qkv_train::RunConfig& config, const nlohmann::json& s) 
               static_cast<long long>(s["steps"].get<int64_t>()), s["wall_time_s"].get<double>(),
               s["tokens_per_s"].get<double>(), s["device"].get<std::string>().c_str());
   for (const auto& [key, value] : s["eval"].items()) std::printf("  eval %s: %.4f\n", key.c_str(), value.get<double>());
-  if (!config.out_dir.empty()) {
-    std::printf("  wrote %s/{metrics.csv,summary.json,loss.png,attention.png,checkpoint.pt,model.pt}\n",
-                config.out_dir.c_str());
+  if (s.contains("files")) {
+    std::string files;
+    for (const auto& file : s["files"]) files += (files.empty() ? "" : ",") + file.get<std::string>();
+    std::printf("  wrote %s/{%s}\n", config.out_dir.c_str(), files.c_str());
   }
 }
 
@@ -80,9 +81,10 @@ int main(int argc, char** argv) {
   // Logs go to stderr so that stdout carries only the run's results (and --json stays parseable).
   spdlog::set_default_logger(spdlog::stderr_color_mt("qkv-train"));
   spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
+
+  // 1. The command line and the distributed environment.
   qkv_train::RunConfig config;
   if (const int exit_code = qkv_train::parse_command_line(argc, argv, config); exit_code >= 0) return exit_code;
-
   std::optional<qkv_train::DistributedEnv> env;
   try {
     env = qkv_train::read_distributed_env();
@@ -90,6 +92,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "qkv-train: error: %s\n", e.what());
     return 2;
   }
+
+  // 2. --nproc: this process only launches the ranks and waits for them.
   if (config.nproc > 1) {
     if (env) {
       std::fprintf(stderr, "qkv-train: error: --nproc starts its own processes, but RANK and WORLD_SIZE are already "
@@ -104,6 +108,8 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+
+  // 3. A rank of a data-parallel job: check the options, and let rank 0 speak for the job.
   const bool distributed = env && env->world_size > 1;
   std::string program = "qkv-train";
   if (distributed) {
@@ -114,25 +120,21 @@ int main(int argc, char** argv) {
     program += " [rank " + std::to_string(env->rank) + "]";
     spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] [rank " + std::to_string(env->rank) + "] %v");
     if (env->rank != 0) {
-      // Rank 0 speaks for the job; the others only warn.
       config.quiet = true;
       config.json = false;
       if (spdlog::get_level() == spdlog::level::info) spdlog::set_level(spdlog::level::warn);
     }
   }
 
+  // 4. Run the task.
   try {
     set_threads(config, env);
     const auto device = rank_device(config.device_name, env);
     if (config.device_name == "auto") spdlog::info("--device auto: using {}", device.str());
     spdlog::debug("LibTorch {}, {} threads", TORCH_VERSION, torch::get_num_threads());
-    if (config.task == "seed") {
-      auto summary = qkv_train::run_seed_task(config, device);
-      if (config.json) std::cout << summary.dump() << std::endl;
-      return 0;
-    }
-    if (config.task == "scaling") {
-      auto summary = qkv_train::run_scaling_task(config, device);
+    const auto& task = qkv_train::find_task(config.task);
+    if (!task.trained() || config.generate) {
+      const auto summary = config.generate ? qkv_train::run_lm_generation(config, device) : task.run(config, device);
       if (config.json) std::cout << summary.dump() << std::endl;
       return 0;
     }
@@ -152,6 +154,9 @@ int main(int argc, char** argv) {
     }
     return result.exit_code;
   } catch (const qkv_train::DistributedConfigError& e) {
+    std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e.what());
+    return 2;
+  } catch (const qkv_train::UsageError& e) {
     std::fprintf(stderr, "%s: error: %s\n", program.c_str(), e.what());
     return 2;
   } catch (const qkv_train::TrainingDiverged& e) {

@@ -1,56 +1,116 @@
 #include "run_config.h"
 
+#include "common/cli_support.h"
+
+#include <spdlog/spdlog.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 
+#include <functional>
 #include <stdexcept>
 
 namespace qkv_train {
+namespace {
 
-void apply_task_defaults(RunConfig& config) {
-  struct Defaults {
-    int64_t d_model, seq_len, batch, steps;
-    double lr;
-    int64_t log_every, eval_every;
+// One row per option that a checkpoint records: its JSON key, its flag, and whether it defines
+// the model (a resumed run must keep it) or only the run (it may change; some with a warning).
+enum class Role { Model, RunWarn, Run };
+
+struct OptionField {
+  std::string key;
+  std::string flag;
+  Role role;
+  std::function<nlohmann::json(const RunConfig&)> get;
+  std::function<void(RunConfig&, const nlohmann::json&)> set;
+};
+
+template <typename T>
+OptionField field(const char* key, const char* flag, Role role, T RunConfig::*member) {
+  return {key, flag, role, [member](const RunConfig& c) { return nlohmann::json(c.*member); },
+          [member](RunConfig& c, const nlohmann::json& j) { c.*member = j.get<T>(); }};
+}
+
+template <typename T>
+OptionField field(const char* key, const char* flag, Role role, std::optional<T> RunConfig::*member) {
+  return {key, flag, role,
+          [member](const RunConfig& c) { return (c.*member) ? nlohmann::json(*(c.*member)) : nlohmann::json(nullptr); },
+          [member](RunConfig& c, const nlohmann::json& j) {
+            c.*member = j.is_null() ? std::nullopt : std::optional<T>(j.get<T>());
+          }};
+}
+
+const std::vector<OptionField>& fields() {
+  static const std::vector<OptionField> table{
+      field("task", "--task", Role::Model, &RunConfig::task),
+      field("d_model", "--d-model", Role::Model, &RunConfig::d_model),
+      field("heads", "--heads", Role::Model, &RunConfig::heads),
+      field("kv_heads", "--kv-heads", Role::Model, &RunConfig::kv_heads),
+      field("layers", "--layers", Role::Model, &RunConfig::layers),
+      field("seq_len", "--seq-len", Role::Model, &RunConfig::seq_len),
+      field("causal", "--causal", Role::Model, &RunConfig::causal),
+      field("dtype", "--dtype", Role::Model, &RunConfig::dtype_name),
+      field("optimizer", "--optimizer", Role::Model, &RunConfig::optimizer),
+      field("scale", "--scale", Role::Model, &RunConfig::scale),
+      field("tie_weights", "--tie-weights", Role::Model, &RunConfig::tie_weights),
+      field("data", "--data", Role::Model, &RunConfig::data_path),
+      field("batch", "--batch", Role::RunWarn, &RunConfig::batch),
+      field("lr", "--lr", Role::RunWarn, &RunConfig::lr),
+      field("seed", "--seed", Role::RunWarn, &RunConfig::seed),
+      field("dropout", "--dropout", Role::RunWarn, &RunConfig::dropout),
+      field("weight_decay", "--weight-decay", Role::RunWarn, &RunConfig::weight_decay),
+      field("warmup_steps", "--warmup-steps", Role::RunWarn, &RunConfig::warmup_steps),
+      field("grad_clip", "--grad-clip", Role::RunWarn, &RunConfig::grad_clip),
+      field("steps", "--steps", Role::Run, &RunConfig::steps),
+      field("log_every", "--log-every", Role::Run, &RunConfig::log_every),
+      field("eval_every", "--eval-every", Role::Run, &RunConfig::eval_every),
+      field("checkpoint_every", "--checkpoint-every", Role::Run, &RunConfig::checkpoint_every),
   };
-  // seed: the documents' example. reverse and lookup: sizes that learn their pattern well within
-  // a minute on a 2-core CPU (see README, "Training demo").
-  Defaults defaults{8, 4, 1, 1, 0.01, 1, 1};
-  if (config.task == "reverse") defaults = {48, 16, 64, 800, 0.01, 50, 100};
-  if (config.task == "lookup") defaults = {33, 17, 64, 2000, 0.003, 100, 200};
-  if (config.task == "scaling") defaults = {256, 16, 32, 300, 0.01, 50, 50};
-  if (config.d_model == 0) config.d_model = defaults.d_model;
-  if (config.seq_len == 0) config.seq_len = defaults.seq_len;
-  if (config.batch == 0) config.batch = defaults.batch;
-  if (config.steps == 0) config.steps = defaults.steps;
-  if (config.lr == 0.0) config.lr = defaults.lr;
-  if (config.log_every == 0) config.log_every = defaults.log_every;
-  if (config.eval_every == 0) config.eval_every = defaults.eval_every;
+  return table;
+}
+
+}  // namespace
+
+torch::ScalarType RunConfig::dtype() const { return qkv_cli::dtype_from_name(dtype_name); }
+
+const std::vector<std::pair<std::string, std::string>>& model_option_flags() {
+  static const auto flags = [] {
+    std::vector<std::pair<std::string, std::string>> list;
+    for (const auto& f : fields()) {
+      if (f.role == Role::Model) list.emplace_back(f.key, f.flag);
+    }
+    return list;
+  }();
+  return flags;
 }
 
 nlohmann::json model_options(const RunConfig& config) {
-  return {
-      {"task", config.task},         {"d_model", config.d_model},     {"heads", config.heads},
-      {"seq_len", config.seq_len},   {"causal", config.causal},       {"dtype", config.dtype_name},
-      {"optimizer", config.optimizer},
-      {"scale", config.scale ? nlohmann::json(*config.scale) : nlohmann::json(nullptr)},
-  };
+  nlohmann::json json = nlohmann::json::object();
+  for (const auto& f : fields()) {
+    if (f.role == Role::Model) json[f.key] = f.get(config);
+  }
+  return json;
 }
 
 nlohmann::json to_json(const RunConfig& config) {
-  auto json = model_options(config);
-  json.update({{"device", config.device_name}, {"batch", config.batch},           {"steps", config.steps},
-               {"lr", config.lr},              {"seed", config.seed},             {"threads", config.threads},
-               {"log_every", config.log_every}, {"eval_every", config.eval_every},
-               {"checkpoint_every", config.checkpoint_every}, {"init_weights", config.init_weights},
+  nlohmann::json json = nlohmann::json::object();
+  for (const auto& f : fields()) json[f.key] = f.get(config);
+  json.update({{"device", config.device_name}, {"threads", config.threads}, {"init_weights", config.init_weights},
                {"dist_backend", config.dist_backend}, {"dist_timeout_s", config.dist_timeout_s}});
   return json;
 }
 
-torch::ScalarType dtype_from_name(const std::string& name) {
-  if (name == "float64") return torch::kDouble;
-  if (name == "bfloat16") return torch::kBFloat16;
-  return torch::kFloat;
+void take_unset_options(RunConfig& config, const nlohmann::json& saved,
+                        const std::function<bool(const char*)>& given) {
+  const auto current = to_json(config);
+  for (const auto& f : fields()) {
+    if (!saved.contains(f.key)) continue;  // a checkpoint of an older qkv-train: keep the default
+    if (!given(f.flag.c_str())) {
+      f.set(config, saved.at(f.key));
+    } else if (f.role == Role::RunWarn && current.at(f.key) != saved.at(f.key)) {
+      spdlog::warn("--resume with {} {} (the checkpoint's run used {}): the losses will differ from an uninterrupted "
+                   "run", f.flag, current.at(f.key).dump(), saved.at(f.key).dump());
+    }
+  }
 }
 
 torch::Device resolve_device(const std::string& name) {

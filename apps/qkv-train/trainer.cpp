@@ -1,11 +1,14 @@
+// The training loop, as labelled steps: set up, resume, then per step forward / backward /
+// all-reduce / clip / apply gradients, record, evaluate, checkpoint; finally report.
 #include "trainer.h"
 
 #include "checkpoint.h"
-#include "common/plot.h"
 #include "progress.h"
-#include "tasks.h"
+#include "task_registry.h"
 
-#include <qkv/qkv.h>
+#include "atomic_file.h"
+
+#include <qkv/version.h>
 
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -14,14 +17,26 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <csignal>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 namespace qkv_train {
 namespace fs = std::filesystem;
+
+std::vector<std::pair<double, double>> MetricsHistory::series(const std::string& column) const {
+  std::vector<std::pair<double, double>> points;
+  const auto at = std::find(columns.begin(), columns.end(), column);
+  if (at == columns.end()) return points;
+  const auto index = static_cast<size_t>(at - columns.begin());
+  for (const auto& row : rows) {
+    if (index < row.size() && !row[index].empty()) points.emplace_back(std::stod(row[0]), std::stod(row[index]));
+  }
+  return points;
+}
 
 namespace {
 
@@ -29,55 +44,31 @@ std::atomic<int> stop_signal{0};
 
 void on_stop_signal(int signal) { stop_signal.store(signal); }
 
-constexpr const char* kMetricsHeader =
-    "step,loss,eval_loss,eval_answer_weight,attn_max_weight,attn_entropy,softmax_jacobian,grad_norm,grad_norm_qk,lr,"
-    "tokens_per_s,elapsed_s";
-
-struct MetricsRow {
-  int64_t step = 0;
-  std::optional<double> loss;  // unset for the evaluation before the first step
-  std::optional<double> eval_loss, answer_weight, attn_max, attn_entropy, softmax_jacobian;
-  double grad_norm = 0, grad_norm_qk = 0, lr = 0, tokens_per_s = 0, elapsed_s = 0;
-};
-
-std::string optional_cell(const std::optional<double>& value) {
-  if (!value) return "";
+// Every digit a double needs to read back exactly: losses are compared with other runs and with
+// PyTorch to 1e-8.
+std::string number_cell(double value) {
   std::ostringstream text;
-  text.precision(8);
-  text << *value;
+  text.precision(std::numeric_limits<double>::max_digits10);
+  text << value;
   return text.str();
 }
 
-std::string csv_line(const MetricsRow& r) {
-  std::ostringstream line;
-  line.precision(8);
-  line << r.step << ',' << optional_cell(r.loss) << ',' << optional_cell(r.eval_loss) << ',' << optional_cell(r.answer_weight) << ','
-       << optional_cell(r.attn_max) << ',' << optional_cell(r.attn_entropy) << ',' << optional_cell(r.softmax_jacobian)
-       << ',' << r.grad_norm << ','
-       << r.grad_norm_qk << ',' << r.lr << ',' << r.tokens_per_s << ',' << r.elapsed_s;
-  return line.str();
+std::vector<std::string> split_cells(const std::string& line) {
+  std::vector<std::string> cells;
+  std::stringstream stream(line);
+  std::string cell;
+  while (std::getline(stream, cell, ',')) cells.push_back(cell);
+  if (!line.empty() && line.back() == ',') cells.emplace_back();
+  return cells;
 }
 
-// Reads back the (step, loss) pairs of an existing metrics.csv up to `last_step`, so that a
-// resumed run keeps the history of the run it continues.
-std::vector<std::string> read_metrics_lines(const fs::path& path, int64_t last_step) {
-  std::vector<std::string> lines;
-  std::ifstream file(path);
+std::string join_cells(const std::vector<std::string>& cells) {
   std::string line;
-  const std::string header = kMetricsHeader;
-  std::getline(file, line);  // header
-  while (std::getline(file, line)) {
-    // A run killed mid-write can leave a partial last line: keep only whole rows up to the checkpoint.
-    if (std::count(line.begin(), line.end(), ',') != std::count(header.begin(), header.end(), ',')) continue;
-    try {
-      if (std::stoll(line.substr(0, line.find(','))) <= last_step) lines.push_back(line);
-    } catch (const std::exception&) {
-    }
-  }
-  return lines;
+  for (size_t i = 0; i < cells.size(); ++i) line += (i ? "," : "") + cells[i];
+  return line;
 }
 
-double grad_norm(const std::vector<torch::Tensor>& parameters) {
+double global_grad_norm(const std::vector<torch::Tensor>& parameters) {
   double sum = 0;
   for (const auto& p : parameters) {
     if (p.grad().defined()) sum += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
@@ -85,83 +76,260 @@ double grad_norm(const std::vector<torch::Tensor>& parameters) {
   return std::sqrt(sum);
 }
 
-struct Evaluation {
-  double loss = 0, answer_weight = 0, attn_max = 0, attn_entropy = 0;
-  // Mean Frobenius norm of softmax's Jacobian diag(p) - p pᵀ over the rows: how much gradient
-  // passes from the weights back to the scores. Near 0 when softmax saturates (one-hot rows).
-  double softmax_jacobian = 0;
-  torch::Tensor example_weights;  // (H, N, S) of the first example
+class Trainer {
+ public:
+  Trainer(const RunConfig& config, const torch::Device& device, DataParallel* parallel)
+      : config_(config), device_(device), parallel_(parallel),
+        is_main_(parallel == nullptr || parallel->is_main()),
+        out_(is_main_ ? fs::path(config.out_dir) : fs::path()),  // ranks other than 0 write nothing
+        task_(find_task(config.task).make(config, device)),
+        optimizer_(task_->make_optimizer(config.lr)),
+        parameters_(task_->model().parameters()),
+        shard_(parallel != nullptr ? shard_of(config.batch, parallel->rank(), parallel->world_size())
+                                   : Shard{0, config.batch}) {}
+
+  TrainingResult run() {
+    create_output_folder();
+    start_or_resume();
+    open_metrics();
+    if (step_ == 0 && metrics_.is_open()) record_row(/*trained=*/false, /*loss=*/std::nullopt, /*gradients=*/{});
+    auto progress = make_progress();
+    spdlog::info("task {} on {} ({}): {} steps of batch {}, lr {}", config_.task, device_.str(), config_.dtype_name,
+                 config_.steps, config_.batch, config_.lr);
+    int exit_code = 0;
+    while (step_ < config_.steps) {
+      ++step_;
+      const int stop = train_step(*progress);
+      if (config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) save_checkpoint();
+      if (stop != 0) {
+        progress->finish();
+        if (is_main_) {
+          spdlog::warn("stopped by signal {} after step {}{}", stop, step_,
+                       out_.empty() ? " (no --out: nothing saved)" : ", checkpoint written");
+        }
+        save_checkpoint();
+        exit_code = 128 + stop;
+        break;
+      }
+    }
+    if (exit_code == 0) progress->finish();
+    return report(exit_code, *progress);
+  }
+
+ private:
+  void create_output_folder() {
+    if (out_.empty()) return;
+    std::error_code error;
+    fs::create_directories(out_, error);
+    if (error) throw std::runtime_error("cannot create output folder " + out_.string() + ": " + error.message());
+  }
+
+  // Where training starts: --init-weights, or the checkpoint of --resume (model, optimizer, RNG,
+  // step and the metrics so far). Replicas then take rank 0's weights, whatever their files said.
+  void start_or_resume() {
+    if (!config_.init_weights.empty() && config_.resume_dir.empty()) {
+      task_->load_weights(config_.init_weights);
+      spdlog::info("initial weights from {}", config_.init_weights);
+    }
+    if (!config_.resume_dir.empty()) {
+      const auto state = load_checkpoint(config_.resume_dir, task_->model(), *optimizer_);
+      step_ = state.step;
+      initial_loss_ = state.initial_loss;
+      last_loss_ = state.last_loss;
+      read_metrics_history(fs::path(config_.resume_dir) / "metrics.csv");
+      spdlog::info("resumed from {} at step {}", (fs::path(config_.resume_dir) / kCheckpointFile).string(), step_);
+    }
+    if (parallel_ != nullptr) parallel_->broadcast_from_main(parameters_);
+    // Where a fresh run starts, so that a reference implementation can start from the same point
+    // (scripts/lm_pytorch.py does).
+    if (step_ == 0 && !out_.empty()) task_->save_weights((out_ / "model_init.pt").string());
+    first_step_ = step_;
+  }
+
+  std::vector<std::string> columns() const {
+    std::vector<std::string> columns{"step", "loss"};
+    for (const auto& c : task_->evaluation_columns()) columns.push_back(c);
+    columns.push_back("grad_norm");
+    for (const auto& c : task_->gradient_columns()) columns.push_back(c);
+    for (const char* c : {"lr", "tokens_per_s", "elapsed_s"}) columns.emplace_back(c);
+    return columns;
+  }
+
+  // The rows of a resumed run's metrics.csv up to its checkpoint's step. A run killed mid-write
+  // can leave a partial last line: only whole rows are kept.
+  void read_metrics_history(const fs::path& path) {
+    history_.columns = columns();
+    std::ifstream file(path);
+    std::string line;
+    std::getline(file, line);  // header
+    while (std::getline(file, line)) {
+      auto cells = split_cells(line);
+      if (cells.size() != history_.columns.size()) continue;
+      try {
+        if (std::stoll(cells[0]) <= step_) history_.rows.push_back(std::move(cells));
+      } catch (const std::exception&) {
+      }
+    }
+  }
+
+  void open_metrics() {
+    history_.columns = columns();
+    if (out_.empty()) return;
+    metrics_.open(out_ / "metrics.csv", std::ios::trunc);
+    if (!metrics_) throw std::runtime_error("cannot write " + (out_ / "metrics.csv").string());
+    metrics_ << join_cells(history_.columns) << '\n';
+    for (const auto& row : history_.rows) metrics_ << join_cells(row) << '\n';
+    metrics_.flush();
+  }
+
+  std::unique_ptr<Progress> make_progress() const {
+    Progress::Mode mode = Progress::Mode::LogLines;
+    std::FILE* terminal = config_.json ? stderr : stdout;
+    if (config_.quiet || !is_main_) {
+      mode = Progress::Mode::Quiet;
+    } else if (isatty(fileno(terminal))) {
+      mode = Progress::Mode::Terminal;
+    }
+    // Throughput counts the whole batch, over all replicas.
+    return std::make_unique<Progress>(mode, first_step_, config_.steps, task_->tokens_per_step(), config_.log_every,
+                                      terminal);
+  }
+
+  // One optimizer step; returns the stop signal the ranks agreed on (0: go on).
+  int train_step(Progress& progress) {
+    const double lr = task_->learning_rate(step_, config_.lr);
+    for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+    // Forward pass
+    optimizer_->zero_grad();
+    auto loss = task_->training_loss(step_, shard_);
+    // Backward pass
+    loss.backward();
+    last_loss_ = loss.item<double>();
+    int stop = stop_signal.load();
+    if (parallel_ != nullptr) {
+      // Mean gradient of the whole batch; every replica learns the batch's loss and whether any was told to stop.
+      const auto agreed = parallel_->average_gradients(parameters_, last_loss_, stop);
+      last_loss_ = agreed.mean_loss;
+      if (agreed.stop_signal != 0 && stop == 0) spdlog::warn("another rank received signal {}: stopping with it", agreed.stop_signal);
+      stop = agreed.stop_signal;
+    }
+    if (!std::isfinite(last_loss_)) {
+      progress.finish();
+      throw TrainingDiverged(fmt::format("step {}: the loss is {}; {} (--lr is {})", step_, last_loss_,
+                                         task_->divergence_hint(), config_.lr));
+    }
+    if (!initial_loss_) initial_loss_ = last_loss_;
+    const bool log_now = step_ % config_.log_every == 0 || step_ == config_.steps;
+    std::vector<double> gradients;
+    if (log_now && is_main_) {
+      gradients.push_back(global_grad_norm(parameters_));
+      for (double figure : task_->gradient_figures()) gradients.push_back(figure);
+    }
+    if (task_->max_grad_norm() > 0) torch::nn::utils::clip_grad_norm_(parameters_, task_->max_grad_norm());
+    // Apply gradients
+    optimizer_->step();
+    progress.update(step_, last_loss_);
+    if (log_now && is_main_) {
+      tokens_per_s_ = progress.tokens_per_second(), elapsed_s_ = progress.elapsed_seconds(), lr_ = lr;
+      record_row(/*trained=*/true, last_loss_, gradients);
+    }
+    return stop;
+  }
+
+  // A metrics.csv row: the step's loss and gradients, and an evaluation on evaluation steps.
+  void record_row(bool trained, std::optional<double> loss, const std::vector<double>& gradients) {
+    if (!is_main_) return;
+    std::vector<std::string> row{std::to_string(step_), loss ? number_cell(*loss) : ""};
+    const auto evaluation_names = task_->evaluation_columns();
+    if (!trained || step_ % config_.eval_every == 0 || step_ == config_.steps) {
+      for (double figure : task_->evaluate()) row.push_back(number_cell(figure));
+    } else {
+      row.insert(row.end(), evaluation_names.size(), "");
+    }
+    const size_t gradient_count = 1 + task_->gradient_columns().size();
+    for (size_t i = 0; i < gradient_count; ++i) row.push_back(i < gradients.size() ? number_cell(gradients[i]) : "0");
+    row.push_back(number_cell(trained ? lr_ : config_.lr));
+    row.push_back(number_cell(trained ? tokens_per_s_ : 0.0));
+    row.push_back(number_cell(trained ? elapsed_s_ : 0.0));
+    history_.rows.push_back(row);
+    if (metrics_.is_open()) {
+      metrics_ << join_cells(row) << '\n';
+      metrics_.flush();
+    }
+  }
+
+  void save_checkpoint() {
+    if (out_.empty()) return;
+    qkv_train::save_checkpoint(out_.string(), task_->model(), *optimizer_,
+                               {step_, initial_loss_.value_or(0.0), last_loss_, to_json(config_)});
+  }
+
+  // The end of a run: rank 0 evaluates, writes the summary, the weights for Python and the
+  // pictures; every rank writes its replica when asked.
+  TrainingResult report(int exit_code, const Progress& progress) {
+    if (parallel_ != nullptr && config_.save_replicas && !config_.out_dir.empty()) {
+      std::error_code error;
+      fs::create_directories(config_.out_dir, error);
+      task_->save_weights((fs::path(config_.out_dir) / ("replica-" + std::to_string(parallel_->rank()) + ".pt")).string());
+    }
+    if (!is_main_) return {nlohmann::json::object(), exit_code};  // the replicas are identical to rank 0's
+
+    const auto figures = task_->evaluate();
+    nlohmann::json evaluation = nlohmann::json::object();
+    const auto keys = task_->evaluation_keys();
+    for (size_t i = 0; i < keys.size() && i < figures.size(); ++i) evaluation[keys[i]] = figures[i];
+    nlohmann::json summary = {
+        {"task", config_.task},
+        {"options", to_json(config_)},
+        {"device", device_.str()},
+        {"dtype", config_.dtype_name},
+        {"torch_version", TORCH_VERSION},
+        {"qkv_version", QKV_VERSION_STRING},
+        {"backend", qkv::to_string(task_->backend())},
+        {"steps", step_},
+        {"initial_loss", initial_loss_.value_or(last_loss_)},
+        {"final_loss", last_loss_},
+        {"eval", evaluation},
+        {"wall_time_s", progress.elapsed_seconds()},
+        {"steps_per_s", progress.steps_per_second()},
+        {"tokens_per_s", progress.tokens_per_second()},
+    };
+    summary.update(task_->summary_extras());
+    if (exit_code != 0) summary["stopped_by_signal"] = exit_code - 128;
+    if (parallel_ != nullptr) {
+      summary["distributed"] = {{"world_size", parallel_->world_size()}, {"backend", parallel_->backend()},
+                                {"examples_per_rank", shard_.size}};
+    }
+    if (!out_.empty()) {
+      if (exit_code == 0) save_checkpoint();
+      std::vector<std::string> files{"metrics.csv", "summary.json", "checkpoint.pt", "model.pt"};
+      // The trained weights in PyTorch's format, e.g. SelfAttention(d).load_state_dict(torch.load(path)).
+      task_->save_weights((out_ / "model.pt").string());
+      for (const auto& file : task_->write_artifacts(out_)) files.push_back(file);
+      for (const auto& file : task_->write_pictures(out_, history_)) files.push_back(file);
+      summary["files"] = files;
+      qkv::detail::write_file_atomically((out_ / "summary.json").string(), summary.dump(2) + "\n");
+    }
+    return {summary, exit_code};
+  }
+
+  const RunConfig& config_;
+  const torch::Device device_;
+  DataParallel* parallel_;
+  const bool is_main_;
+  const fs::path out_;
+  std::unique_ptr<TrainableTask> task_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::vector<torch::Tensor> parameters_;
+  const Shard shard_;
+
+  int64_t step_ = 0, first_step_ = 0;
+  std::optional<double> initial_loss_;
+  double last_loss_ = 0.0;
+  double lr_ = 0.0, tokens_per_s_ = 0.0, elapsed_s_ = 0.0;  // of the last logged step
+  MetricsHistory history_;
+  std::ofstream metrics_;
 };
-
-Evaluation evaluate(qkv::SelfAttention& model, const Task& task, const Batch& batch) {
-  torch::NoGradGuard no_grad;
-  model->eval();
-  auto result = model->forward_with_weights(batch.input);
-  model->train();
-  auto weights = result.weights.to(torch::kFloat);  // (B, H, N, S)
-  Evaluation evaluation;
-  evaluation.loss = task.loss(result.output, batch).item<double>();
-  evaluation.answer_weight = task.answer_weight(weights, batch).item<double>();
-  evaluation.attn_max = std::get<0>(weights.max(-1)).mean().item<double>();
-  evaluation.attn_entropy = -(weights * weights.clamp_min(1e-30).log()).sum(-1).mean().item<double>();
-  // ||diag(p) - p pᵀ||²_F = Σ p² - 2 Σ p³ + (Σ p²)², row by row.
-  const auto p2 = weights.pow(2).sum(-1), p3 = weights.pow(3).sum(-1);
-  evaluation.softmax_jacobian = (p2 - 2 * p3 + p2.pow(2)).clamp_min(0).sqrt().mean().item<double>();
-  evaluation.example_weights = weights[0].cpu();
-  return evaluation;
-}
-
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const RunConfig& config, qkv::SelfAttention& model) {
-  if (config.optimizer == "sgd") {
-    return std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(config.lr));
-  }
-  return std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(config.lr));
-}
-
-void write_text_file(const fs::path& path, const std::string& text) {
-  const auto temporary = path.string() + ".tmp";
-  {
-    std::ofstream file(temporary, std::ios::trunc);
-    file << text;
-    if (!file) throw std::runtime_error("cannot write " + temporary);
-  }
-  fs::rename(temporary, path);
-}
-
-void write_pictures(const fs::path& out, const RunConfig& config, const std::vector<std::string>& metric_lines,
-                    const Evaluation& evaluation, const std::string& metric_name) {
-  qkv_plot::Series train{"training loss", {}, {}, qkv_plot::series_color(0)};
-  qkv_plot::Series eval{"evaluation loss", {}, {}, qkv_plot::series_color(1)};
-  qkv_plot::Series answer{metric_name, {}, {}, qkv_plot::series_color(2)};
-  for (const auto& line : metric_lines) {
-    std::vector<std::string> cells;
-    std::stringstream stream(line);
-    std::string cell;
-    while (std::getline(stream, cell, ',')) cells.push_back(cell);
-    if (cells.size() < 4) continue;
-    const double step = std::stod(cells[0]);
-    if (!cells[1].empty()) train.x.push_back(step), train.y.push_back(std::stod(cells[1]));
-    if (!cells[2].empty()) eval.x.push_back(step), eval.y.push_back(std::stod(cells[2]));
-    if (!cells[3].empty()) answer.x.push_back(step), answer.y.push_back(std::stod(cells[3]));
-  }
-  qkv_plot::LinePlot losses{"qkv-train --task " + config.task + ": loss", "step", "MSE loss (log scale)",
-                            {train, eval}, false, true, {}, {}};
-  qkv_plot::LinePlot attention{"attention on the right key", "step", metric_name, {answer}, false, false, 0.0, 1.0};
-  qkv_plot::write_line_plots((out / "loss.png").string(), {losses, attention});
-
-  std::vector<qkv_plot::Heatmap> panels;
-  const auto& w = evaluation.example_weights;  // (H, N, S)
-  for (int64_t h = 0; h < w.size(0); ++h) {
-    auto head = w[h].contiguous();
-    qkv_plot::Heatmap panel{"head " + std::to_string(h), static_cast<int>(head.size(0)),
-                            static_cast<int>(head.size(1)),
-                            std::vector<float>(head.data_ptr<float>(), head.data_ptr<float>() + head.numel())};
-    panels.push_back(std::move(panel));
-  }
-  qkv_plot::write_heatmaps((out / "attention.png").string(),
-                           "attention weights, task " + config.task + " (one evaluation example)", panels,
-                           "query position", "key position");
-}
 
 }  // namespace
 
@@ -174,200 +342,7 @@ void install_stop_handlers() {
 }
 
 TrainingResult train(const RunConfig& config, const torch::Device& device, DataParallel* parallel) {
-  const bool is_main = parallel == nullptr || parallel->is_main();
-  const auto task = make_task(config, device);
-  const auto dtype = dtype_from_name(config.dtype_name);
-  torch::manual_seed(config.seed);
-  qkv::SelfAttention model(qkv::SelfAttentionOptions(config.d_model)
-                               .num_heads(config.heads)
-                               .causal(config.causal)
-                               .scale(config.scale ? c10::optional<double>(*config.scale) : c10::nullopt));
-  model->to(device, dtype);
-  if (!config.init_weights.empty() && config.resume_dir.empty()) {
-    qkv::load_state_dict(model, config.init_weights);
-    spdlog::info("initial weights from {}", config.init_weights);
-  }
-  auto optimizer = make_optimizer(config, model);
-  const auto parameters = model->parameters();
-  std::vector<torch::Tensor> query_key_parameters = model->W_q->parameters();
-  for (const auto& p : model->W_k->parameters()) query_key_parameters.push_back(p);
-
-  const fs::path out = is_main ? fs::path(config.out_dir) : fs::path();  // ranks other than 0 write nothing
-  if (!out.empty()) {
-    std::error_code error;
-    fs::create_directories(out, error);
-    if (error) throw std::runtime_error("cannot create output folder " + out.string() + ": " + error.message());
-  }
-
-  int64_t step = 0;
-  std::optional<double> initial_loss;
-  double last_loss = 0.0;
-  std::vector<std::string> metric_lines;
-  if (!config.resume_dir.empty()) {
-    auto state = load_checkpoint(config.resume_dir, model, *optimizer);
-    step = state.step;
-    initial_loss = state.initial_loss;
-    last_loss = state.last_loss;
-    metric_lines = read_metrics_lines(fs::path(config.resume_dir) / "metrics.csv", step);
-    spdlog::info("resumed from {} at step {}", (fs::path(config.resume_dir) / kCheckpointFile).string(), step);
-  }
-  if (parallel != nullptr) {
-    // Replicas start from rank 0's weights, whatever their seeds or files said.
-    parallel->broadcast_from_main(parameters);
-  }
-  std::ofstream metrics;
-  if (!out.empty()) {
-    metrics.open(out / "metrics.csv", std::ios::trunc);
-    if (!metrics) throw std::runtime_error("cannot write " + (out / "metrics.csv").string());
-    metrics << kMetricsHeader << '\n';
-    for (const auto& line : metric_lines) metrics << line << '\n';
-    metrics.flush();
-  }
-
-  const auto eval_batch = task->sample(std::max<int64_t>(256, config.batch), /*step=*/-1);
-  const auto first_step = step;
-  Progress::Mode mode = Progress::Mode::LogLines;
-  std::FILE* terminal = config.json ? stderr : stdout;
-  if (config.quiet) {
-    mode = Progress::Mode::Quiet;
-  } else if (isatty(fileno(terminal))) {
-    mode = Progress::Mode::Terminal;
-  }
-  // Throughput counts the whole batch, over all replicas.
-  Progress progress(mode, first_step, config.steps, config.batch * config.seq_len, config.log_every, terminal);
-  spdlog::info("task {} on {} ({}): d_model {}, heads {}, seq_len {}, batch {}, steps {}, {} lr {}", config.task,
-               device.str(), config.dtype_name, config.d_model, config.heads, config.seq_len, config.batch,
-               config.steps, config.optimizer, config.lr);
-  const auto shard = parallel != nullptr ? shard_of(config.batch, parallel->rank(), parallel->world_size())
-                                         : Shard{0, config.batch};
-
-  auto save = [&]() {
-    if (!out.empty()) {
-      save_checkpoint(out.string(), model, *optimizer, {step, initial_loss.value_or(0.0), last_loss, to_json(config)});
-    }
-  };
-
-  if (step == 0 && metrics.is_open()) {
-    // Where training starts from: attention spread over all keys.
-    const auto evaluation = evaluate(model, *task, eval_batch);
-    MetricsRow row;
-    row.eval_loss = evaluation.loss, row.answer_weight = evaluation.answer_weight;
-    row.attn_max = evaluation.attn_max, row.attn_entropy = evaluation.attn_entropy, row.lr = config.lr;
-    row.softmax_jacobian = evaluation.softmax_jacobian;
-    metric_lines.push_back(csv_line(row));
-    metrics << metric_lines.back() << '\n';
-  }
-  int exit_code = 0;
-  while (step < config.steps) {
-    ++step;
-    // Every replica draws the same batch and trains on its own share of it, so that N replicas
-    // compute what one process would on the whole batch.
-    auto batch = task->sample(config.batch, step);
-    if (shard.size != config.batch) {
-      batch.input = batch.input.narrow(0, shard.begin, shard.size);
-      batch.target = batch.target.narrow(0, shard.begin, shard.size);
-      batch.answer = torch::Tensor();  // evaluation only
-    }
-    // Forward pass
-    optimizer->zero_grad();
-    auto output = model(batch.input);  // (B, N, E)
-    auto loss = task->loss(output, batch);
-    // Backward pass
-    loss.backward();
-    last_loss = loss.item<double>();
-    int stop = stop_signal.load();
-    if (parallel != nullptr) {
-      // Mean gradient of the whole batch; every replica learns the batch's loss and whether any was told to stop.
-      const auto agreed = parallel->average_gradients(parameters, last_loss, stop);
-      last_loss = agreed.mean_loss;
-      if (agreed.stop_signal != 0 && stop == 0) {
-        spdlog::warn("another rank received signal {}: stopping with it", agreed.stop_signal);
-      }
-      stop = agreed.stop_signal;
-    }
-    if (!std::isfinite(last_loss)) {
-      progress.finish();
-      throw TrainingDiverged(fmt::format("step {}: the loss is {}; lower --lr (now {}) or keep the default scale "
-                                         "(--scale 1.0 lets scores grow with d_model)",
-                                         step, last_loss, config.lr));
-    }
-    if (!initial_loss) initial_loss = last_loss;
-    const bool log_now = step % config.log_every == 0 || step == config.steps;
-    MetricsRow row;
-    if (log_now && metrics.is_open()) {
-      row.grad_norm = grad_norm(parameters);
-      row.grad_norm_qk = grad_norm(query_key_parameters);
-    }
-    // Apply gradients
-    optimizer->step();
-    progress.update(step, last_loss);
-
-    if (log_now && metrics.is_open()) {
-      row.step = step, row.loss = last_loss, row.lr = config.lr;
-      row.tokens_per_s = progress.tokens_per_second(), row.elapsed_s = progress.elapsed_seconds();
-      if (step % config.eval_every == 0 || step == config.steps) {
-        const auto evaluation = evaluate(model, *task, eval_batch);
-        row.eval_loss = evaluation.loss, row.answer_weight = evaluation.answer_weight;
-        row.attn_max = evaluation.attn_max, row.attn_entropy = evaluation.attn_entropy;
-        row.softmax_jacobian = evaluation.softmax_jacobian;
-      }
-      metric_lines.push_back(csv_line(row));
-      metrics << metric_lines.back() << '\n';
-      metrics.flush();
-    }
-    if (config.checkpoint_every > 0 && step % config.checkpoint_every == 0) save();
-    if (stop != 0) {
-      progress.finish();
-      if (is_main) {
-        spdlog::warn("stopped by signal {} after step {}{}", stop, step,
-                     out.empty() ? " (no --out: nothing saved)" : ", checkpoint written");
-      }
-      save();
-      exit_code = 128 + stop;
-      break;
-    }
-  }
-  if (exit_code == 0) progress.finish();
-  if (parallel != nullptr && config.save_replicas && !config.out_dir.empty()) {
-    std::error_code error;
-    fs::create_directories(config.out_dir, error);
-    qkv::save_state_dict(model, (fs::path(config.out_dir) / ("replica-" + std::to_string(parallel->rank()) + ".pt")).string());
-  }
-  // The final evaluation and the summary are rank 0's to report; the other replicas are identical.
-  if (!is_main) return {nlohmann::json::object(), exit_code};
-
-  const auto evaluation = evaluate(model, *task, eval_batch);
-  nlohmann::json summary = {
-      {"task", config.task},
-      {"options", to_json(config)},
-      {"device", device.str()},
-      {"dtype", config.dtype_name},
-      {"torch_version", TORCH_VERSION},
-      {"qkv_version", QKV_VERSION_STRING},
-      {"backend", qkv::to_string(model->last_backend())},
-      {"steps", step},
-      {"initial_loss", initial_loss.value_or(last_loss)},
-      {"final_loss", last_loss},
-      {"eval", {{"loss", evaluation.loss}, {task->metric_name(), evaluation.answer_weight},
-                {"attn_max_weight", evaluation.attn_max}, {"attn_entropy", evaluation.attn_entropy},
-                {"softmax_jacobian", evaluation.softmax_jacobian}}},
-      {"wall_time_s", progress.elapsed_seconds()},
-      {"steps_per_s", progress.steps_per_second()},
-      {"tokens_per_s", progress.tokens_per_second()},
-  };
-  if (exit_code != 0) summary["stopped_by_signal"] = exit_code - 128;
-  if (parallel != nullptr) {
-    summary["distributed"] = {{"world_size", parallel->world_size()}, {"backend", parallel->backend()},
-                              {"examples_per_rank", shard.size}};
-  }
-  if (!out.empty()) {
-    if (exit_code == 0) save();
-    // The trained weights in PyTorch's format: SelfAttention(d).load_state_dict(torch.load(path)).
-    qkv::save_state_dict(model, (out / "model.pt").string());
-    write_text_file(out / "summary.json", summary.dump(2) + "\n");
-    write_pictures(out, config, metric_lines, evaluation, task->metric_name());
-  }
-  return {summary, exit_code};
+  return Trainer(config, device, parallel).run();
 }
 
 }  // namespace qkv_train

@@ -1,5 +1,6 @@
-// The training loop of qkv-train's learnable tasks (reverse, lookup): data, optimizer, progress,
-// evaluation, metrics.csv, summary.json, pictures, checkpoints and resume, signals.
+// The training loop every trained task of qkv-train shares (reverse, lookup, lm): optimizer steps
+// with the task's learning-rate schedule and gradient clipping, data parallelism, progress,
+// evaluation, metrics.csv, summary.json, pictures, checkpoints and resume, NaN stop, signals.
 #pragma once
 
 #include "distributed.h"
@@ -19,7 +20,7 @@ class TrainingDiverged : public std::runtime_error {
 
 struct TrainingResult {
   nlohmann::json summary;  // empty on data-parallel ranks other than 0, which report nothing
-  int exit_code = 0;  // 0, or 128 + signal when SIGINT / SIGTERM stopped the run
+  int exit_code = 0;       // 0, or 128 + signal when SIGINT / SIGTERM stopped the run
 };
 
 /// Installs SIGINT / SIGTERM handlers that let the current step finish.

@@ -3,25 +3,42 @@
 //   qkv-weights convert IN OUT [--heads H]         any recognised layout -> qkv's (the documents' keys)
 //   qkv-weights forward WEIGHTS INPUT OUTPUT ...   run SelfAttention with WEIGHTS on INPUT["query"]
 //                                                  (INPUT["context"] optional), write {"output": ...}
-// The module's shape comes from the weights (d_model, kdim, vdim, bias, W_o); the number of heads
-// cannot be read from weights and is given with --heads.
+// The module's shape comes from the weights (d_model, key/value heads relative to the query
+// heads, kdim, vdim, bias, W_o; a TransformerBlock's MLP width); the number of heads cannot be
+// read from weights and is given with --heads.
+#include "common/cli_support.h"
+#include "torch_file.h"
+
 #include <qkv/qkv.h>
 
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include <cstdio>
-#include <fstream>
 
 namespace {
+
+torch::Tensor find(const std::map<std::string, torch::Tensor>& tensors, const std::string& key) {
+  auto it = tensors.find(key);
+  return it == tensors.end() ? torch::Tensor() : it->second;
+}
+
+// Key/value heads from the widths of W_q (H·D) and W_k (Hkv·D): unset when they are equal.
+c10::optional<int64_t> kv_heads_for(const torch::Tensor& query_weight, const torch::Tensor& key_weight, int64_t heads) {
+  const auto query_width = query_weight.size(0), key_width = key_weight.size(0);
+  if (key_width == query_width) return c10::nullopt;
+  if (query_width % heads != 0 || key_width % (query_width / heads) != 0) {
+    throw std::runtime_error("W_k's width " + std::to_string(key_width) + " is not a whole number of heads of width " +
+                             std::to_string(query_width / heads) + " (d_model " + std::to_string(query_width) +
+                             " / --heads " + std::to_string(heads) + ")");
+  }
+  return key_width / (query_width / heads);
+}
 
 // SelfAttentionOptions that fit `tensors` (after mapping nn.MultiheadAttention's names).
 qkv::SelfAttentionOptions options_for(const std::map<std::string, torch::Tensor>& tensors, int64_t heads) {
   const bool multihead = qkv::detect_layout(tensors) == qkv::StateDictLayout::MultiheadAttention;
-  auto find = [&](const std::string& key) -> torch::Tensor {
-    auto it = tensors.find(key);
-    return it == tensors.end() ? torch::Tensor() : it->second;
-  };
+  auto find = [&](const std::string& key) { return ::find(tensors, key); };
   torch::Tensor query_weight, key_weight, value_weight;
   if (multihead && find("in_proj_weight").defined()) {
     const auto parts = find("in_proj_weight").chunk(3);
@@ -39,18 +56,35 @@ qkv::SelfAttentionOptions options_for(const std::map<std::string, torch::Tensor>
   const bool out_proj = multihead ? find("out_proj.weight").defined() : find("W_o.weight").defined();
   return qkv::SelfAttentionOptions(query_weight.size(0))
       .num_heads(heads)
+      .num_kv_heads(kv_heads_for(query_weight, key_weight, heads))
       .bias(bias)
       .out_proj(out_proj)
       .kdim(key_weight.size(1))
       .vdim(value_weight.size(1));
 }
 
-// The tensors of a torch.save'd dict, ignoring entries that are not tensors.
+// TransformerBlockOptions that fit a block's `tensors` (ln_1.*, attn.*, mlp_fc.*, mlp_proj.*).
+qkv::TransformerBlockOptions block_options_for(const std::map<std::string, torch::Tensor>& tensors, int64_t heads,
+                                               bool causal, bool rope) {
+  const auto query_weight = find(tensors, "attn.W_q.weight"), key_weight = find(tensors, "attn.W_k.weight");
+  const auto fc_weight = find(tensors, "mlp_fc.weight");
+  if (!query_weight.defined() || !key_weight.defined() || !fc_weight.defined() || query_weight.dim() != 2 ||
+      fc_weight.dim() != 2 || fc_weight.size(0) % query_weight.size(0) != 0) {
+    throw std::runtime_error("not a TransformerBlock's weights (attn.W_q.weight, attn.W_k.weight, mlp_fc.weight); "
+                             "see `qkv-weights inspect`");
+  }
+  return qkv::TransformerBlockOptions(query_weight.size(0), heads)
+      .num_kv_heads(kv_heads_for(query_weight, key_weight, heads))
+      .mlp_ratio(fc_weight.size(0) / query_weight.size(0))
+      .bias(find(tensors, "attn.W_q.bias").defined())
+      .causal(causal)
+      .rope(rope);
+}
+
+// The tensors of a torch.save'd dict; other entries (notes, numbers) are left out.
 std::map<std::string, torch::Tensor> read_inputs(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  const auto value = torch::pickle_load(bytes);
-  if (!value.isGenericDict()) throw std::runtime_error(path + " is not a dict");
+  const auto value = qkv::detail::read_torch_file(qkv::detail::read_file_bytes(path, "qkv-weights"), path, "qkv-weights");
+  if (!value.isGenericDict()) throw std::runtime_error(path + " holds a " + value.tagKind() + ", not a dict");
   std::map<std::string, torch::Tensor> tensors;
   for (const auto& entry : value.toGenericDict()) {
     if (entry.key().isString() && entry.value().isTensor()) {
@@ -60,11 +94,17 @@ std::map<std::string, torch::Tensor> read_inputs(const std::string& path) {
   return tensors;
 }
 
-qkv::SelfAttention load(const std::string& path, int64_t heads) {
+// A module for the weights of `path`: a SelfAttention or a TransformerBlock, by their layout.
+torch::nn::AnyModule load(const std::string& path, int64_t heads, bool causal, bool rope) {
   const auto tensors = qkv::read_tensor_dict(path);
-  qkv::SelfAttention module(options_for(tensors, heads));
+  if (qkv::detect_layout(tensors) == qkv::StateDictLayout::TransformerBlock) {
+    qkv::TransformerBlock block(block_options_for(tensors, heads, causal, rope));
+    qkv::load_state_dict(block, tensors, path);
+    return torch::nn::AnyModule(block);
+  }
+  qkv::SelfAttention module(options_for(tensors, heads).causal(causal).rope(rope));
   qkv::load_state_dict(module, tensors, path);
-  return module;
+  return torch::nn::AnyModule(module);
 }
 
 }  // namespace
@@ -73,7 +113,7 @@ int main(int argc, char** argv) {
   CLI::App app{"qkv-weights: PyTorch weight files and qkv::SelfAttention", "qkv-weights"};
   app.require_subcommand(1);
   int64_t heads = 1;
-  bool causal = false;
+  bool causal = false, rope = false;
   std::string in, out, input, output;
 
   auto* inspect = app.add_subcommand("inspect", "Keys, shapes and the layout qkv recognises");
@@ -84,7 +124,8 @@ int main(int argc, char** argv) {
   convert->add_option("OUT", out, "Output file")->required();
   convert->add_option("--heads", heads, "Heads of the module")->check(CLI::Range(int64_t{1}, int64_t{4096}));
 
-  auto* forward = app.add_subcommand("forward", "Run the module on INPUT[\"query\"] and write {\"output\": ...}");
+  auto* forward = app.add_subcommand("forward", "Run the module (SelfAttention or TransformerBlock) on "
+                                      "INPUT[\"query\"] and write {\"output\": ...}");
   forward->add_option("WEIGHTS", in, "Weights file")->required()->check(CLI::ExistingFile);
   // LibTorch 1.13 cannot unpickle a one-entry dict (opcode SETITEM): add any second entry.
   forward->add_option("INPUT", input, "torch.save'd dict with \"query\" (and optional \"context\"), 2+ entries")
@@ -93,24 +134,15 @@ int main(int argc, char** argv) {
   forward->add_option("OUTPUT", output, "Output file (torch.load reads it)")->required();
   forward->add_option("--heads", heads, "Heads of the module")->check(CLI::Range(int64_t{1}, int64_t{4096}));
   forward->add_flag("--causal", causal, "Causal mask");
+  forward->add_flag("--rope", rope, "Rotary positions (they have no weights, so the file cannot say)");
   forward->add_option("--save-weights", out, "Also write the loaded weights in qkv's layout");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::string what = e.what();
-    std::replace(what.begin(), what.end(), '\n', ' ');
-    std::fprintf(stderr, "qkv-weights: error: %s (see --help)\n", what.c_str());
-    return 2;
-  }
+  if (const auto exit_code = qkv_cli::parse(app, argc, argv)) return *exit_code;
 
   try {
     if (inspect->parsed()) {
       const auto tensors = qkv::read_tensor_dict(in);
-      const bool multihead = qkv::detect_layout(tensors) == qkv::StateDictLayout::MultiheadAttention;
-      std::printf("%s: %s layout, %zu tensors\n", in.c_str(), multihead ? "nn.MultiheadAttention" : "documents'",
+      std::printf("%s: %s layout, %zu tensors\n", in.c_str(), qkv::to_string(qkv::detect_layout(tensors)),
                   tensors.size());
       for (const auto& [key, tensor] : tensors) {
         std::ostringstream shape;
@@ -118,18 +150,24 @@ int main(int argc, char** argv) {
         std::printf("  %-16s %-12s %s\n", key.c_str(), shape.str().c_str(), c10::toString(tensor.scalar_type()));
       }
     } else if (convert->parsed()) {
-      qkv::save_state_dict(load(in, heads), out);
+      qkv::save_state_dict(*load(in, heads, /*causal=*/false, /*rope=*/false).ptr(), out);
     } else {
-      auto module = load(in, heads);
-      module->options.causal(causal);
+      auto module = load(in, heads, causal, rope);
       const auto inputs = read_inputs(input);
       if (!inputs.count("query")) throw std::runtime_error(input + " has no \"query\" tensor");
-      const auto context = inputs.count("context") ? inputs.at("context") : torch::Tensor();
+      const auto dtype = module.ptr()->parameters().front().scalar_type();
+      const auto query = inputs.at("query").to(dtype);
       torch::NoGradGuard no_grad;
-      const auto result = module(inputs.at("query").to(module->W_q->weight.scalar_type()),
-                                 context.defined() ? context.to(module->W_q->weight.scalar_type()) : context);
+      torch::Tensor result;
+      if (inputs.count("context")) {
+        auto* attention = module.ptr()->as<qkv::SelfAttentionImpl>();
+        if (attention == nullptr) throw std::runtime_error("a TransformerBlock takes no \"context\" (self-attention only)");
+        result = attention->forward(query, inputs.at("context").to(dtype));
+      } else {
+        result = module.forward(query);
+      }
       qkv::save_tensor_dict({{"output", result}}, output);
-      if (!out.empty()) qkv::save_state_dict(module, out);
+      if (!out.empty()) qkv::save_state_dict(*module.ptr(), out);
     }
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "qkv-weights: %s\n", e.what_without_backtrace());

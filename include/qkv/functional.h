@@ -1,8 +1,8 @@
 // The functional core: scaled dot-product attention, the free function SelfAttention calls.
 //
 // Dimension legend used in qkv's comments:
-//   B = batch, H = heads, N = query positions, S = key/value positions,
-//   E = d_model, D = head width (E / H), Dv = value head width.
+//   B = batch, H = query heads, Hkv = key/value heads, N = query positions, S = key/value
+//   positions, E = d_model, D = head width (E / H), Dv = value head width.
 #pragma once
 
 #include <qkv/options.h>
@@ -18,21 +18,19 @@ struct AttentionResult {
 };
 
 /// softmax(q kᵀ · scale + mask) v for q (..., N, D), k (..., S, D), v (..., S, Dv), where the
-/// leading dimensions of q, k and v are equal. A query row whose keys are all masked gets a
-/// zero output and zero gradients, never NaN.
+/// leading dimensions of q, k and v are equal (with `enable_gqa`, k and v may have fewer heads in
+/// dimension -3). A query row whose keys are all masked gets a zero output and zero gradients,
+/// never NaN. Throws c10::Error naming the argument for inputs that do not fit.
 AttentionResult scaled_dot_product_attention(
     const torch::Tensor& q,
     const torch::Tensor& k,
     const torch::Tensor& v,
     const ScaledDotProductAttentionOptions& options = {});
 
-namespace detail {
-/// The plain reference path: the documents' four steps. Always available; returns weights.
-AttentionResult math_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const ScaledDotProductAttentionOptions& options);
-/// `at::scaled_dot_product_attention`. Throws where LibTorch < 2.0.
-AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+/// The backend scaled_dot_product_attention runs for inputs of these shapes, dtype and device
+/// with these options (Auto resolved): what ran can be reported without keeping any state. Only
+/// the tensors' metadata is read.
+AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
                                 const ScaledDotProductAttentionOptions& options);
-}  // namespace detail
 
 }  // namespace qkv

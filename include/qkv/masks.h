@@ -49,14 +49,4 @@ torch::Tensor key_mask_from_lengths(const torch::Tensor& lengths, int64_t max_le
 /// bool (N, S), true where key j <= query i (top-left aligned, as PyTorch's is_causal).
 torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::Device& device = torch::kCPU);
 
-namespace detail {
-/// Checks `mask` against a batch of `batch` queries (N, E) attending to S keys with H heads and
-/// merges its parts into one tensor broadcastable to (B, H, N, S): bool when every part is bool,
-/// else floating in `dtype` (-inf where a bool part forbids). Undefined when the mask is empty.
-/// `batched` false means the input had no batch dimension (shapes given without B).
-torch::Tensor merge_attention_mask(const AttentionMask& mask, bool batched, int64_t batch, int64_t heads,
-                                   int64_t num_queries, int64_t num_keys, torch::ScalarType dtype,
-                                   const torch::Device& device);
-}  // namespace detail
-
 }  // namespace qkv

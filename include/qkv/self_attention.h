@@ -1,12 +1,15 @@
 // qkv::SelfAttention: the documents' trainable self-attention module, grown into multi-head,
-// masked and cross-attention with an optional output map and a fused backend.
+// grouped-query, masked and cross-attention with rotary positions, an optional output map, a KV
+// cache for incremental decoding and a fused backend.
 #pragma once
 
 #include <qkv/functional.h>
+#include <qkv/kv_cache.h>
 #include <qkv/masks.h>
 #include <qkv/options.h>
 
 #include <torch/nn/cloneable.h>
+#include <torch/nn/modules/common.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
@@ -18,11 +21,12 @@ namespace qkv {
 struct SelfAttentionOutput {
   torch::Tensor output;   // (B, N, E) batched, (N, E) unbatched
   torch::Tensor weights;  // (B, H, N, S) batched, (H, N, S) unbatched; each row sums to 1
-  AttentionBackend backend = AttentionBackend::Math;
+  AttentionBackend backend = AttentionBackend::Math;  // the backend that computed it
 };
 
-/// Q = x W_qᵀ, K = c W_kᵀ, V = c W_vᵀ (c = x for self-attention), split into H heads,
-/// softmax(Q Kᵀ · scale + mask) V per head, heads joined, then W_o when out_proj is set.
+/// Q = x W_qᵀ, K = c W_kᵀ, V = c W_vᵀ (c = x for self-attention), split into H query heads and
+/// Hkv key/value heads, rotated (RoPE) when asked, softmax(Q Kᵀ · scale + mask) V per head, heads
+/// joined, then W_o when out_proj is set.
 ///
 /// Parameters, in registration order: W_q, W_k, W_v (then W_o), so named_parameters() has the
 /// keys of the documents' Python module's state_dict(), and the same seed gives the same weights.
@@ -36,6 +40,7 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
 
   /// Self-attention on `query` (N, E) or (B, N, E) when `context` is undefined; else
   /// cross-attention from `query` to `context` (S, kdim) or (B, S, kdim). Returns (…, N, E).
+  /// Callable with one argument by torch::nn::Sequential and AnyModule.
   torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& context = {},
                         const AttentionMask& mask = {});
 
@@ -44,12 +49,26 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
                                            const AttentionMask& mask = {});
 
   /// The general form with separate key and value inputs (needed when kdim != vdim):
-  /// query (…, N, E), key (…, S, kdim), value (…, S, vdim).
+  /// query (…, N, E), key (…, S, kdim), value (…, S, vdim). The result says which backend ran.
   SelfAttentionOutput attend(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                              const AttentionMask& mask = {}, bool need_weights = false);
 
-  /// The backend the last forward ran on (Auto before the first forward).
-  AttentionBackend last_backend() const { return last_backend_; }
+  /// The backend forward(query, context, mask) would run on, without running it.
+  AttentionBackend backend_for(const torch::Tensor& query, const torch::Tensor& context = {},
+                               const AttentionMask& mask = {}) const;
+
+  /// An empty KVCache for `batch` sequences of up to `capacity` positions, sized for this module
+  /// (its key/value heads and head width) in its parameters' dtype and on their device.
+  KVCache make_cache(int64_t batch, int64_t capacity) const;
+
+  /// Incremental causal self-attention: `x` (B, T, E) holds T new positions of each sequence,
+  /// which follow the cache's length() positions. Their keys and values (rotated at their
+  /// positions with RoPE) are appended to `cache`, and each new position attends to every cached
+  /// position up to and including itself. Returns (B, T, E): the same as rows length()..length()+T-1
+  /// of one causal forward over the whole sequence. A prompt goes in as one call, then one token
+  /// at a time (or chunks). Inference only (under torch::NoGradGuard); needs a causal module
+  /// without a cross-attention context (kdim, vdim unset).
+  torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache);
 
   SelfAttentionOptions options;
 
@@ -58,11 +77,12 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
   torch::nn::Linear W_v{nullptr};
   torch::nn::Linear W_o{nullptr};  // only when options.out_proj()
 
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())}, {2, torch::nn::AnyValue(AttentionMask())})
+
  private:
   /// The module's options as the attention core's (no mask: the caller adds it).
   ScaledDotProductAttentionOptions attention_options(bool need_weights) const;
-
-  AttentionBackend last_backend_ = AttentionBackend::Auto;
 };
 
 TORCH_MODULE(SelfAttention);

@@ -1,6 +1,10 @@
 #include "support/fixtures.h"
 
+#include "torch_file.h"
+
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <iterator>
 #include <sstream>
 
@@ -11,10 +15,8 @@ std::string data_path(const std::string& name) { return std::string(QKV_TEST_DAT
 namespace {
 
 c10::impl::GenericDict load_fixture(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) throw std::runtime_error("cannot open fixture " + path + " (run scripts/gen_reference.py)");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  return torch::pickle_load(bytes).toGenericDict();
+  if (!std::ifstream(path)) throw std::runtime_error("cannot open fixture " + path + " (run scripts/gen_reference.py)");
+  return qkv::detail::read_torch_file(qkv::detail::read_file_bytes(path, "fixture"), path, "fixture").toGenericDict();
 }
 
 }  // namespace
@@ -39,6 +41,8 @@ double Fixture::real(const std::string& key) const {
   return value.isDouble() ? value.toDouble() : static_cast<double>(value.toInt());
 }
 
+std::string Fixture::text(const std::string& key) const { return dict_.at(key).toStringRef(); }
+
 bool Fixture::flag(const std::string& key, bool fallback) const {
   return has(key) ? dict_.at(key).toBool() : fallback;
 }
@@ -51,13 +55,33 @@ qkv::SelfAttention Fixture::make_module() const {
       .causal(flag("config.causal", false));
   if (has("config.kdim")) options.kdim(integer("config.kdim")).vdim(integer("config.vdim"));
   if (has("config.scale")) options.scale(real("config.scale"));
+  if (has("config.num_kv_heads")) options.num_kv_heads(integer("config.num_kv_heads"));
+  if (has("config.rope")) options.rope(flag("config.rope", false)).rope_base(real("config.rope_base"));
   qkv::SelfAttention module(options);
   module->to(tensor("input.query").scalar_type());
-  torch::NoGradGuard no_grad;
-  for (auto& item : module->named_parameters()) {
-    item.value().copy_(tensor("param." + item.key()));
-  }
+  qkv::load_state_dict(module, parameters(), name_);  // every name must match: nothing missing or extra
   return module;
+}
+
+qkv::TransformerBlock Fixture::make_block() const {
+  qkv::TransformerBlock block(qkv::TransformerBlockOptions(integer("config.d_model"), integer("config.num_heads"))
+                                  .num_kv_heads(integer("config.num_kv_heads"))
+                                  .rope(flag("config.rope", false))
+                                  .rope_base(real("config.rope_base"))
+                                  .causal(flag("config.causal", false))
+                                  .mlp_ratio(integer("config.mlp_ratio")));
+  block->to(tensor("input.query").scalar_type());
+  qkv::load_state_dict(block, parameters(), name_);
+  return block;
+}
+
+std::map<std::string, torch::Tensor> Fixture::parameters() const {
+  std::map<std::string, torch::Tensor> tensors;
+  for (const auto& entry : dict_) {
+    const auto& key = entry.key().toStringRef();
+    if (key.rfind("param.", 0) == 0) tensors.emplace(key.substr(6), entry.value().toTensor());
+  }
+  return tensors;
 }
 
 qkv::AttentionMask Fixture::mask() const {
@@ -67,16 +91,39 @@ qkv::AttentionMask Fixture::mask() const {
   return mask;
 }
 
-double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
+double tolerance_for(torch::ScalarType dtype, int64_t reduction_length) {
+  const bool half = dtype == torch::kBFloat16 || dtype == torch::kHalf;
+  auto epsilon = [](torch::ScalarType t) {
+    switch (t) {
+      case torch::kDouble: return std::numeric_limits<double>::epsilon();
+      case torch::kBFloat16: return 0.0078125;      // 2^-7: 8 significant bits
+      case torch::kHalf: return 0.0009765625;       // 2^-10: 11 significant bits
+      default: return static_cast<double>(std::numeric_limits<float>::epsilon());
+    }
+  };
+  const double storage_epsilon = epsilon(dtype);
+  const double accumulation_epsilon = half ? epsilon(torch::kFloat) : epsilon(dtype);
+  const double length = static_cast<double>(std::max<int64_t>(reduction_length, 1));
+  return 8.0 * (storage_epsilon + std::sqrt(length) * accumulation_epsilon);
+}
+
+double max_abs(const torch::Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return 0.0;
+  return t.detach().abs().max().to(torch::kCPU, torch::kDouble).item<double>();
+}
+
+double relative_error(const torch::Tensor& actual, const torch::Tensor& expected, double scale) {
   auto a = actual.detach().to(torch::kCPU, torch::kDouble);
   auto b = expected.detach().to(torch::kCPU, torch::kDouble);
   if (b.numel() == 0) return 0.0;
-  const double scale = std::max(1.0, b.abs().max().item<double>());
-  return (a - b).abs().max().item<double>() / scale;
+  const double difference = (a - b).abs().max().item<double>();
+  const double denominator = std::max(max_abs(b), scale);
+  if (denominator == 0.0) return difference == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
+  return difference / denominator;
 }
 
 ::testing::AssertionResult tensors_close(const torch::Tensor& actual, const torch::Tensor& expected,
-                                         double tolerance) {
+                                         double tolerance, double scale) {
   if (!actual.defined() || !expected.defined()) {
     return ::testing::AssertionFailure() << "undefined tensor";
   }
@@ -85,9 +132,10 @@ double relative_error(const torch::Tensor& actual, const torch::Tensor& expected
     message << "shape " << actual.sizes() << " != expected " << expected.sizes();
     return ::testing::AssertionFailure() << message.str();
   }
-  const double error = relative_error(actual, expected);
+  const double error = relative_error(actual, expected, scale);
   if (!(error <= tolerance)) {
-    return ::testing::AssertionFailure() << "relative error " << error << " > tolerance " << tolerance;
+    return ::testing::AssertionFailure() << "relative error " << error << " > tolerance " << tolerance
+                                         << " (max |expected| " << max_abs(expected) << ", scale " << scale << ")";
   }
   return ::testing::AssertionSuccess();
 }

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
 #include <string>
 
 namespace qkv_test {
@@ -25,9 +26,14 @@ class Fixture {
   int64_t integer(const std::string& key) const;
   double real(const std::string& key) const;
   bool flag(const std::string& key, bool fallback) const;
+  std::string text(const std::string& key) const;
 
   /// The module the fixture describes, with the fixture's weights, in the fixture's dtype.
   qkv::SelfAttention make_module() const;
+  /// The same for a fixture of a TransformerBlock (config.kind == "block").
+  qkv::TransformerBlock make_block() const;
+  /// The fixture's "param.*" tensors, under their names without the prefix.
+  std::map<std::string, torch::Tensor> parameters() const;
   /// The inputs' masks as qkv::AttentionMask (key_lengths, attn_mask).
   qkv::AttentionMask mask() const;
 
@@ -36,11 +42,28 @@ class Fixture {
   c10::impl::GenericDict dict_;
 };
 
-/// max |a - b| / max(1, max |b|): a relative error that does not blow up near zero.
-double relative_error(const torch::Tensor& actual, const torch::Tensor& expected);
+/// The tolerance for a result computed in `dtype` compared with an independent reference, as a
+/// relative error (see relative_error): 8 · (ε_storage + sqrt(K) · ε_accumulation), where K is the
+/// length of the longest sum behind the result (D for scores, S for the weighted sum of values, N
+/// for gradients of keys and values). Why this number: the rounding errors of a sum of K terms,
+/// independent of one another, grow like sqrt(K)·ε (a random walk; Higham, Accuracy and Stability
+/// of Numerical Algorithms, ch. 3), and each stored intermediate adds one rounding of its storage
+/// type; half types accumulate in float32 but store in their own precision. The factor 8 covers
+/// the handful of chained operations (projection, scores, softmax, weighted sum, and their
+/// backward) that each contribute such an error, and the gap between a typical and a worst row.
+double tolerance_for(torch::ScalarType dtype, int64_t reduction_length);
 
-/// gtest assertion: same shape and relative_error <= tolerance.
+/// max |a - b| / max(max |b|, scale): the error relative to the size of the expected tensor, or
+/// to `scale` when that is larger (a quantity whose exact value is 0, such as the gradient of a
+/// bias that softmax ignores, is judged against the size of the quantities around it). When both
+/// are 0 the tensors must be equal (0 if they are, infinity if not).
+double relative_error(const torch::Tensor& actual, const torch::Tensor& expected, double scale = 0.0);
+
+/// gtest assertion: same shape and relative_error(actual, expected, scale) <= tolerance.
 ::testing::AssertionResult tensors_close(const torch::Tensor& actual, const torch::Tensor& expected,
-                                         double tolerance);
+                                         double tolerance, double scale = 0.0);
+
+/// max |t| (0 for an empty or undefined tensor).
+double max_abs(const torch::Tensor& t);
 
 }  // namespace qkv_test

@@ -1,7 +1,6 @@
-#include "scaling_task.h"
-
 #include "common/plot.h"
-#include "tasks.h"
+#include "tasks/tasks.h"
+#include "tasks/toy_data.h"
 
 #include <qkv/qkv.h>
 
@@ -78,21 +77,19 @@ void measure_softmax(DkFigures& f) {
 }
 
 // A short run of the reverse task with each variant; returns the loss of every step.
-std::vector<double> train_reverse(const RunConfig& base, const torch::Device& device, bool scaled) {
-  RunConfig config = base;
-  config.task = "reverse";
-  const auto task = make_task(config, device);
+std::vector<double> train_reverse(const RunConfig& config, const torch::Device& device, bool scaled) {
+  const auto data = make_reverse_data(config.seed, config.seq_len, config.d_model, device, config.dtype());
   torch::manual_seed(config.seed);
   qkv::SelfAttention model(qkv::SelfAttentionOptions(config.d_model)
                                .num_heads(config.heads)
                                .scale(scaled ? c10::nullopt : c10::optional<double>(1.0)));
-  model->to(device, dtype_from_name(config.dtype_name));
+  model->to(device, config.dtype());
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(config.lr));
   std::vector<double> losses;
   for (int64_t step = 1; step <= config.steps; ++step) {
-    const auto batch = task->sample(config.batch, step);
+    const auto batch = data->sample(config.batch, step);
     optimizer.zero_grad();
-    auto loss = task->loss(model(batch.input), batch);
+    auto loss = data->loss(model(batch.input), batch);
     loss.backward();
     optimizer.step();
     losses.push_back(loss.item<double>());

@@ -1,4 +1,4 @@
-#include "seed_task.h"
+#include "tasks/tasks.h"
 
 #include <qkv/qkv.h>
 
@@ -68,7 +68,7 @@ nlohmann::json run_seed_task(const RunConfig& config, const torch::Device& devic
       {"seq_len", config.seq_len},
       {"seed", config.seed},
       {"lr", config.lr},
-      {"backend", qkv::to_string(attention->last_backend())},
+      {"backend", qkv::to_string(attention->backend_for(x))},
       {"input_shape", x.sizes().vec()},
       {"output_shape", output.sizes().vec()},
   };

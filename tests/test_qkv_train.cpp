@@ -1,11 +1,11 @@
-// qkv-train run as a user runs it: its output, JSON summary and exit codes.
+// qkv-train run as a user runs it: the documents' example, the toy tasks (files, determinism,
+// resume, failures), the sqrt(d_k) experiment and data-parallel training. The language model is
+// tested in test_qkv_train_lm.cpp; failure cases that need killing processes are ctest scripts.
+#include "support/apps.h"
 #include "support/fixtures.h"
-#include "support/process.h"
 
 #include <gmock/gmock.h>
 #include <nlohmann/json.hpp>
-
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -15,10 +15,7 @@
 namespace {
 
 using ::testing::HasSubstr;
-
-qkv_test::ProcessResult train(const std::string& arguments, bool merge_stderr = false) {
-  return qkv_test::run_command(std::string(QKV_TRAIN_PATH) + " " + arguments, merge_stderr);
-}
+using namespace qkv_test;
 
 nlohmann::json python_seed_example() {
   std::ifstream file(qkv_test::data_path("seed_example.json"));
@@ -82,6 +79,21 @@ TEST(TrainApp, MissingCudaIsARuntimeError) {
   EXPECT_THAT(run.output, HasSubstr("no CUDA device"));
 }
 
+// Options a task does not read are refused, naming them and the task (they used to be dropped:
+// `--task seed --heads 3 --causal` ran the one-head, non-causal documents' example and exited 0).
+TEST(TrainApp, OptionsTheTaskDoesNotReadAreRefused) {
+  for (const auto& [arguments, flags] : std::vector<std::pair<std::string, std::string>>{
+           {"--task seed --heads 3 --causal", "--heads --causal are not options of --task seed"},
+           {"--task scaling --causal", "--causal is not an option of --task scaling"},
+           {"--task reverse --layers 2", "--layers is not an option of --task reverse"},
+           {"--task lookup --prompt hi", "--prompt is not an option of --task lookup"}}) {
+    auto run = train(arguments, /*merge_stderr=*/true);
+    EXPECT_EQ(run.exit_code, 2) << arguments << ": " << run.output;
+    EXPECT_THAT(run.output, HasSubstr(flags)) << arguments;
+    EXPECT_EQ(std::count(run.output.begin(), run.output.end(), '\n'), 1) << run.output;
+  }
+}
+
 TEST(TrainApp, HelpListsOptionsWithDefaults) {
   auto run = train("--help");
   EXPECT_EQ(run.exit_code, 0);
@@ -89,57 +101,8 @@ TEST(TrainApp, HelpListsOptionsWithDefaults) {
   EXPECT_THAT(run.output, HasSubstr("42"));  // the default seed is shown
 }
 
-}  // namespace
 
 // ---- The learnable tasks: files, determinism, resume, failures. ----
-
-namespace {
-
-namespace fs = std::filesystem;
-
-fs::path fresh_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("qkv_train_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  return dir;
-}
-
-std::string read_file(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
-// metrics.csv as rows of cells, header first.
-std::vector<std::vector<std::string>> read_csv(const fs::path& path) {
-  std::vector<std::vector<std::string>> rows;
-  std::ifstream file(path);
-  std::string line;
-  while (std::getline(file, line)) {
-    std::vector<std::string> cells;
-    std::stringstream stream(line);
-    std::string cell;
-    while (std::getline(stream, cell, ',')) cells.push_back(cell);
-    if (!line.empty() && line.back() == ',') cells.emplace_back();
-    rows.push_back(cells);
-  }
-  return rows;
-}
-
-// step -> training loss, from metrics.csv.
-std::map<int64_t, std::string> losses_by_step(const fs::path& metrics) {
-  std::map<int64_t, std::string> losses;
-  auto rows = read_csv(metrics);
-  for (size_t i = 1; i < rows.size(); ++i) {
-    if (!rows[i][1].empty()) losses[std::stoll(rows[i][0])] = rows[i][1];
-  }
-  return losses;
-}
-
-bool is_png(const fs::path& path) {
-  const auto bytes = read_file(path);
-  return bytes.size() > 1000 && bytes.compare(0, 8, "\x89PNG\r\n\x1a\n") == 0;
-}
 
 const std::string kSmallReverse = "--task reverse --device cpu --seq-len 6 --d-model 16 --batch 8 --quiet ";
 
@@ -165,6 +128,9 @@ TEST(TrainTasks, WritesMetricsSummaryPicturesAndCheckpoint) {
     EXPECT_TRUE(summary.contains(key)) << key;
   }
   EXPECT_TRUE(summary["eval"].contains("mirror_weight"));
+  // The backend of the training steps (not of the final evaluation, which asks for the weights
+  // and so always runs the math path): fused where LibTorch has it.
+  EXPECT_EQ(summary["backend"], qkv::fused_backend_available() ? "fused" : "math");
   EXPECT_TRUE(is_png(out / "loss.png"));
   EXPECT_TRUE(is_png(out / "attention.png"));
   EXPECT_TRUE(fs::exists(out / "checkpoint.pt"));
@@ -267,11 +233,8 @@ TEST(TrainTasks, DefaultRunsLearnTheirAttentionPattern) {
   }
 }
 
-}  // namespace
 
 // ---- --task scaling: the documents' argument for sqrt(d_k), measured. ----
-
-namespace {
 
 TEST(ScalingExperiment, FiguresAgreeWithTheDocuments) {
   const auto out = fresh_dir("scaling");
@@ -332,36 +295,6 @@ TEST(ScalingExperiment, FiguresAgreeWithTheDocuments) {
   fs::remove_all(out);
 }
 
-}  // namespace
-
-// ---- qkv-weights ----
-
-namespace {
-
-TEST(WeightsApp, BadCommandLinesExitWith2AndRuntimeFailuresWith1) {
-  const std::string tool = QKV_WEIGHTS_PATH;
-  const std::string weights = qkv_test::data_path("interop_mha_weights.pt");
-  const std::vector<std::pair<std::string, int>> cases = {
-      {"", 2},                                   // no subcommand
-      {"frobnicate", 2},                         // unknown subcommand
-      {"inspect /no/such/file.pt", 2},           // not an existing file
-      {"convert " + weights, 2},                 // OUT missing
-      {"forward " + weights + " " + weights + " out.pt --heads 0", 2},
-      {"inspect " + qkv_test::data_path("seed_example.json"), 1},  // a file, but not torch.save's
-      {"convert " + weights + " /tmp/qkv_convert_test.pt --heads 3", 1},  // 16 not divisible by 3
-  };
-  for (const auto& [arguments, expected] : cases) {
-    auto run = qkv_test::run_command(tool + " " + arguments, /*merge_stderr=*/true);
-    EXPECT_EQ(run.exit_code, expected) << arguments << ": " << run.output;
-    EXPECT_THAT(run.output, HasSubstr("qkv-weights:")) << arguments;
-  }
-}
-
-}  // namespace
-
-// ---- Damaged checkpoints ----
-
-namespace {
 
 TEST(TrainTasks, DamagedCheckpointsAreRefusedNamingTheFile) {
   const auto source = fresh_dir("checkpoint_source");
@@ -409,13 +342,8 @@ TEST(TrainTasks, DamagedCheckpointsAreRefusedNamingTheFile) {
   fs::remove_all(source), fs::remove_all(other);
 }
 
-}  // namespace
 
-// ---------------------------------------------------------------------------------------------
-// Data-parallel training (qkv-train --nproc, torchrun's environment). Failure cases that need
-// killing processes are in tests/scripts/distributed_test.sh (ctest: train.distributed_failures).
-
-namespace {
+// ---- Data-parallel training (qkv-train --nproc, torchrun's environment). ----
 
 // Runs qkv-train with `assignments` (VAR=value ...) as its only distributed environment variables.
 qkv_test::ProcessResult train_in_env(const std::string& assignments, const std::string& arguments,
@@ -425,18 +353,6 @@ qkv_test::ProcessResult train_in_env(const std::string& assignments, const std::
                                merge_stderr);
 }
 
-// max |a - b| over two files of weights with the same keys.
-double max_weight_difference(const fs::path& a, const fs::path& b) {
-  const auto left = qkv::read_tensor_dict(a.string()), right = qkv::read_tensor_dict(b.string());
-  EXPECT_EQ(left.size(), right.size());
-  double difference = 0;
-  for (const auto& [key, tensor] : left) {
-    difference = std::max(difference, (tensor - right.at(key)).abs().max().item<double>());
-  }
-  return difference;
-}
-
-}  // namespace
 
 TEST(TrainDistributed, TwoGlooRanksEqualOneProcessOnTheWholeBatch) {
   // float64: the comparison with one process then measures the algorithm, not float32 rounding
@@ -522,48 +438,10 @@ TEST(TrainDistributed, MalformedEnvironmentsAreRefusedNamingTheVariable) {
   EXPECT_THAT(nested.output, HasSubstr("--nproc starts its own processes, but RANK and WORLD_SIZE are already set"));
   auto seed = train_in_env("", "--task seed --nproc 2", true);
   EXPECT_EQ(seed.exit_code, 2);
-  EXPECT_THAT(seed.output, HasSubstr("--task seed runs in one process"));
+  EXPECT_THAT(seed.output, HasSubstr("--nproc is not an option of --task seed"));
   auto uneven = train_in_env("", kSmallReverse + "--nproc 3", true);
   EXPECT_EQ(uneven.exit_code, 2);
   EXPECT_THAT(uneven.output, HasSubstr("--batch 8 is the total batch and must divide evenly over the 3 processes"));
 }
 
-// ---------------------------------------------------------------------------------------------
-// qkv-bench: a smoke test only. Speed is measured by scripts/bench.sh, never asserted in tests.
-#if defined(QKV_BENCH_PATH)
-
-TEST(BenchApp, TinyCaseRunsAndEmitsValidJson) {
-  auto run = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --threads 1 --benchmark_filter='^documents_forward(/|$)' "
-                                   "--benchmark_min_time=0.01 --benchmark_format=json");
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  const auto report = nlohmann::json::parse(run.output);
-  ASSERT_EQ(report["benchmarks"].size(), 1u) << run.output;
-  const auto& entry = report["benchmarks"][0];
-  EXPECT_EQ(entry["name"], "documents_forward/real_time");
-  EXPECT_FALSE(entry.value("error_occurred", false)) << entry.dump();
-  EXPECT_GT(entry["iterations"].get<int64_t>(), 0);
-  EXPECT_GT(entry["real_time"].get<double>(), 0.0);
-  EXPECT_GT(entry["peak_memory_bytes"].get<double>(), 0.0);
-  // FLOPs per iteration = FLOP/s × seconds. The documents' forward, N = 4, E = 8, one head:
-  // attention 4·N²·E = 512, projections 3 · 2·N·E² = 1536 (FlashAttention's convention).
-  const double seconds = entry["real_time"].get<double>() * (entry["time_unit"] == "ms" ? 1e-3 : 1e-6);
-  EXPECT_NEAR(entry["FLOPS"].get<double>() * seconds, 2048.0, 2048.0 * 1e-6);
-  EXPECT_EQ(report["context"]["torch_threads"], "1");
-}
-
-TEST(BenchApp, ListsTheCasesOfTheSharedCaseFileAndRefusesBadFlags) {
-  std::ifstream file(std::string(QKV_SOURCE_DIR) + "/apps/qkv-bench/cases.json");
-  const auto cases = nlohmann::json::parse(file);
-  std::string expected;
-  for (const auto& entry : cases["cases"]) {
-    if (entry["device"] == "cpu") expected += entry["name"].get<std::string>() + "\n";
-  }
-  auto run = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --list");
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  EXPECT_EQ(run.output, expected);
-  auto bad = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --device tpu", true);
-  EXPECT_EQ(bad.exit_code, 2) << bad.output;
-  EXPECT_THAT(bad.output, HasSubstr("--device"));
-}
-
-#endif
+}  // namespace

@@ -1,0 +1,147 @@
+#include "tasks/lm/gpt.h"
+
+#include <cmath>
+
+namespace qkv_train::lm {
+
+GptImpl::GptImpl(const GptOptions& options_) : options(options_) { reset(); }
+
+void GptImpl::reset() {
+  const auto E = options.d_model();
+  token_embedding = register_module("token_embedding", torch::nn::Embedding(options.vocabulary(), E));
+  embedding_dropout = register_module("embedding_dropout", torch::nn::Dropout(options.dropout()));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t layer = 0; layer < options.layers(); ++layer) {
+    blocks->push_back(qkv::TransformerBlock(qkv::TransformerBlockOptions(E, options.heads())
+                                                .num_kv_heads(options.kv_heads())
+                                                .rope(true)
+                                                .causal(true)
+                                                .dropout(options.dropout())));
+  }
+  final_norm = register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({E})));
+  if (!options.tie_weights()) {
+    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(E, options.vocabulary()).bias(false)));
+  } else {
+    head = nullptr;
+  }
+  // GPT-2's initialisation: N(0, 0.02) for matrices and embeddings, zero biases, and the layers
+  // that end a residual branch scaled down by sqrt(2L) so the residual stream does not grow with depth.
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    const auto& name = item.key();
+    auto& p = item.value();
+    if (p.dim() < 2) {
+      if (name.find("norm") == std::string::npos && name.find("ln_") == std::string::npos) p.zero_();
+      continue;
+    }
+    const bool ends_residual_branch = name.find("mlp_proj") != std::string::npos ||
+                                      name.find("W_o") != std::string::npos;
+    p.normal_(0.0, ends_residual_branch ? 0.02 / std::sqrt(2.0 * static_cast<double>(options.layers())) : 0.02);
+  }
+}
+
+void GptImpl::check_ids(const torch::Tensor& ids, const char* caller) const {
+  TORCH_CHECK(ids.defined() && ids.dim() == 2 && ids.scalar_type() == torch::kLong, caller,
+              ": expected int64 token ids of shape (B, N), got ",
+              ids.defined() ? c10::toString(ids.scalar_type()) : "undefined", " ",
+              ids.defined() ? ids.sizes() : c10::IntArrayRef{});
+}
+
+torch::Tensor GptImpl::logits(const torch::Tensor& hidden) {
+  const auto normed = final_norm(hidden);  // (B, N, E)
+  return options.tie_weights() ? torch::matmul(normed, token_embedding->weight.t()) : head(normed);  // (B, N, V)
+}
+
+torch::Tensor GptImpl::forward(const torch::Tensor& ids) {
+  check_ids(ids, "Gpt::forward");
+  TORCH_CHECK(ids.size(1) <= options.context(), "Gpt::forward: ", ids.size(1), " positions exceed the context of ",
+              options.context());
+  auto x = embedding_dropout(token_embedding(ids));  // (B, N, E)
+  for (const auto& block : *blocks) x = block->as<qkv::TransformerBlock>()->forward(x);
+  return logits(x);
+}
+
+torch::Tensor GptImpl::forward_with_cache(const torch::Tensor& ids, std::vector<qkv::KVCache>& caches) {
+  check_ids(ids, "Gpt::forward_with_cache");
+  TORCH_CHECK(static_cast<int64_t>(caches.size()) == options.layers(), "Gpt::forward_with_cache: expected ",
+              options.layers(), " caches (one per block), got ", caches.size());
+  auto x = token_embedding(ids);  // (B, T, E)
+  for (size_t layer = 0; layer < caches.size(); ++layer) {
+    x = blocks[layer]->as<qkv::TransformerBlock>()->forward_with_cache(x, caches[layer]);
+  }
+  return logits(x);  // (B, T, V)
+}
+
+std::vector<qkv::KVCache> GptImpl::make_caches(int64_t batch) const {
+  std::vector<qkv::KVCache> caches;
+  for (size_t layer = 0; layer < blocks->size(); ++layer) {
+    caches.push_back(blocks->ptr<qkv::TransformerBlockImpl>(layer)->make_cache(batch, options.context()));
+  }
+  return caches;
+}
+
+std::vector<torch::Tensor> GptImpl::attention_weights(const torch::Tensor& ids) {
+  check_ids(ids, "Gpt::attention_weights");
+  torch::NoGradGuard no_grad;
+  const bool was_training = is_training();
+  eval();
+  std::vector<torch::Tensor> weights;
+  auto x = token_embedding(ids);
+  for (const auto& module : *blocks) {
+    auto block = module->as<qkv::TransformerBlock>();
+    weights.push_back(block->attn->forward_with_weights(block->ln_1(x)).weights);  // (B, H, N, N)
+    x = block->forward(x);
+  }
+  train(was_training);
+  return weights;
+}
+
+qkv::AttentionBackend GptImpl::backend_for(const torch::Tensor& ids) const {
+  const auto stand_in = torch::empty({1}, token_embedding->weight.options().requires_grad(false))
+                            .expand({ids.size(0), ids.size(1), options.d_model()});
+  return blocks->ptr<qkv::TransformerBlockImpl>(0)->attn->backend_for(stand_in);
+}
+
+namespace {
+
+// The next token from the logits (V,) of the last position.
+int64_t pick(const torch::Tensor& logits, const Sampling& sampling, at::Generator& generator) {
+  if (sampling.temperature <= 0.0) return logits.argmax().item<int64_t>();
+  auto scaled = logits.to(torch::kDouble) / sampling.temperature;  // (V,)
+  if (sampling.top_k && *sampling.top_k < scaled.size(0)) {
+    const auto threshold = std::get<0>(scaled.topk(*sampling.top_k)).min();
+    scaled = scaled.masked_fill(scaled < threshold, -std::numeric_limits<double>::infinity());
+  }
+  const auto probabilities = torch::softmax(scaled, /*dim=*/0).to(torch::kCPU);
+  return at::multinomial(probabilities, /*num_samples=*/1, /*replacement=*/false, generator).item<int64_t>();
+}
+
+}  // namespace
+
+torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_tokens, const Sampling& sampling,
+                       at::Generator generator) {
+  TORCH_CHECK(prompt.dim() == 1 && prompt.numel() >= 1, "generate: expected a non-empty prompt of token ids");
+  TORCH_CHECK(prompt.numel() + new_tokens <= model->options.context(), "generate: a prompt of ", prompt.numel(),
+              " tokens and ", new_tokens, " new ones exceed the model's context of ", model->options.context());
+  torch::NoGradGuard no_grad;
+  const bool was_training = model->is_training();
+  model->eval();
+  const auto device = model->token_embedding->weight.device();
+  auto sequence = prompt.to(device, torch::kLong).unsqueeze(0);  // (1, P)
+  std::vector<int64_t> produced;
+  std::vector<qkv::KVCache> caches;
+  if (sampling.use_cache) caches = model->make_caches(/*batch=*/1);
+  torch::Tensor next_input = sequence;  // what the next forward pass takes: the prompt, then one token
+  for (int64_t i = 0; i < new_tokens; ++i) {
+    const auto logits = sampling.use_cache ? model->forward_with_cache(next_input, caches)  // (1, T, V)
+                                           : model->forward(sequence);                     // (1, P + i, V)
+    const int64_t token = pick(logits[0][-1], sampling, generator);
+    produced.push_back(token);
+    next_input = torch::full({1, 1}, token, torch::TensorOptions(torch::kLong).device(device));
+    sequence = torch::cat({sequence, next_input}, /*dim=*/1);
+  }
+  model->train(was_training);
+  return torch::tensor(produced, torch::kLong);
+}
+
+}  // namespace qkv_train::lm

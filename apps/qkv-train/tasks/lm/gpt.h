@@ -1,0 +1,75 @@
+// A character-level GPT built from qkv::TransformerBlocks: token embedding, L causal pre-norm
+// blocks with rotary positions (and optional grouped-query heads), a final LayerNorm and the LM
+// head (optionally tied to the embedding). scripts/lm_pytorch.py is the same model in PyTorch.
+//
+// B = batch, N = positions, T = new positions, V = vocabulary, E = d_model, L = layers.
+#pragma once
+
+#include <qkv/qkv.h>
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace qkv_train::lm {
+
+struct GptOptions {
+  GptOptions(int64_t vocabulary, int64_t d_model, int64_t heads, int64_t layers, int64_t context)
+      : vocabulary_(vocabulary), d_model_(d_model), heads_(heads), layers_(layers), context_(context) {}
+  TORCH_ARG(int64_t, vocabulary);
+  TORCH_ARG(int64_t, d_model);
+  TORCH_ARG(int64_t, heads);
+  TORCH_ARG(int64_t, layers);
+  /// Positions the model is trained on, and the KV caches' capacity.
+  TORCH_ARG(int64_t, context);
+  TORCH_ARG(c10::optional<int64_t>, kv_heads) = c10::nullopt;
+  TORCH_ARG(double, dropout) = 0.0;
+  /// The LM head uses the token embedding's matrix (no head.weight parameter then).
+  TORCH_ARG(bool, tie_weights) = false;
+};
+
+class GptImpl : public torch::nn::Cloneable<GptImpl> {
+ public:
+  explicit GptImpl(const GptOptions& options);
+  void reset() override;
+
+  /// ids (B, N), N <= context -> logits (B, N, V).
+  torch::Tensor forward(const torch::Tensor& ids);
+  /// T new ids (B, T) after the caches' positions -> their logits (B, T, V); one cache per block.
+  torch::Tensor forward_with_cache(const torch::Tensor& ids, std::vector<qkv::KVCache>& caches);
+  /// One empty cache per block, each of capacity `context`.
+  std::vector<qkv::KVCache> make_caches(int64_t batch) const;
+  /// The attention weights of every block on ids (B, N): L tensors (B, H, N, N). Eval mode, no gradients.
+  std::vector<torch::Tensor> attention_weights(const torch::Tensor& ids);
+  /// The attention backend the blocks run on for ids like these.
+  qkv::AttentionBackend backend_for(const torch::Tensor& ids) const;
+
+  GptOptions options;
+  torch::nn::Embedding token_embedding{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm final_norm{nullptr};
+  torch::nn::Linear head{nullptr};  // unset when tie_weights
+  torch::nn::Dropout embedding_dropout{nullptr};
+
+ private:
+  torch::Tensor logits(const torch::Tensor& hidden);
+  void check_ids(const torch::Tensor& ids, const char* caller) const;
+};
+
+TORCH_MODULE(Gpt);
+
+/// Sampling settings of generate().
+struct Sampling {
+  double temperature = 0.8;  // 0: greedy (the most likely token)
+  std::optional<int64_t> top_k;
+  bool use_cache = true;     // false: recompute the whole prefix for every new token
+};
+
+/// Continues `prompt` (P,) by `new_tokens` tokens; returns the new ids (new_tokens,). P + new_tokens
+/// must fit in the context. Random draws come from `generator` only.
+torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_tokens, const Sampling& sampling,
+                       at::Generator generator);
+
+}  // namespace qkv_train::lm

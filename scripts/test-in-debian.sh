@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Runs qkv's scripts inside a minimal chroot of another Debian release, so that one machine tests
+# qkv against that release's LibTorch (trixie: Debian 13, LibTorch 2.6; sid: unstable, the newest).
+#
+#   scripts/test-in-debian.sh RELEASE [SCRIPT [ARGS ...]]    default SCRIPT: scripts/test.sh
+#   e.g. scripts/test-in-debian.sh trixie                      the whole suite on LibTorch 2.6
+#        scripts/test-in-debian.sh sid scripts/test.sh -R Parity
+#        scripts/test-in-debian.sh trixie scripts/bench.sh --rounds 3
+#        scripts/test-in-debian.sh trixie --prepare            only create the chroot and install packages
+#
+# The chroot is made once with debootstrap (about a minute) under $QKV_CHROOT_ROOT
+# (default /var/cache/qkv-chroots/RELEASE) and reused afterwards; the release's packages are
+# installed by scripts/setup.sh inside it. The repository is bind-mounted at /qkv, and the build
+# goes to build-RELEASE/ (the host's build/ is untouched). Needs root (or sudo), debootstrap and
+# a Debian mirror (taken from this machine's apt sources; $QKV_DEBIAN_MIRROR overrides).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+[[ $# -ge 1 ]] || { sed -n '2,16p' "$0" >&2; exit 2; }
+release=$1
+shift
+prepare_only=false
+if [[ "${1:-}" == "--prepare" ]]; then prepare_only=true; shift; fi
+script=${1:-scripts/test.sh}
+[[ $# -gt 0 ]] && shift
+
+sudo=()
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo > /dev/null || { echo "test-in-debian: needs root or sudo (debootstrap, chroot, mount)" >&2; exit 1; }
+  sudo=(sudo)
+fi
+if ! command -v debootstrap > /dev/null; then
+  echo "test-in-debian: installing debootstrap"
+  "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends debootstrap > /dev/null
+fi
+
+# The mirror this machine's apt already uses (deb822 sources or a classic sources.list).
+mirror=${QKV_DEBIAN_MIRROR:-}
+if [[ -z "$mirror" ]]; then
+  mirror=$(grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}' | grep -v -- '-security' | head -1 || true)
+  [[ -n "$mirror" ]] || mirror=$(grep -hs '^deb ' /etc/apt/sources.list | awk '{print $2}' | grep -v -- '-security' | head -1 || true)
+  mirror=${mirror:-http://deb.debian.org/debian}
+fi
+
+chroot_dir=${QKV_CHROOT_ROOT:-/var/cache/qkv-chroots}/$release
+if [[ ! -x "$chroot_dir/usr/bin/apt-get" ]]; then
+  echo "test-in-debian: creating a minimal Debian $release in $chroot_dir from $mirror"
+  "${sudo[@]}" rm -rf "$chroot_dir"
+  "${sudo[@]}" mkdir -p "$chroot_dir"
+  "${sudo[@]}" debootstrap --variant=minbase "$release" "$chroot_dir" "$mirror" > "$chroot_dir.debootstrap.log" 2>&1 ||
+    { tail -20 "$chroot_dir.debootstrap.log" >&2; echo "test-in-debian: debootstrap $release failed" >&2; exit 1; }
+  # Unstable's Release files may be older than their Valid-Until on machines with a stale mirror.
+  echo 'Acquire::Check-Valid-Until "false";' | "${sudo[@]}" tee "$chroot_dir/etc/apt/apt.conf.d/99qkv-no-valid-until" > /dev/null
+fi
+"${sudo[@]}" cp /etc/resolv.conf "$chroot_dir/etc/resolv.conf"
+
+# Mounts, undone on every exit.
+mounted=()
+cleanup() {
+  local i
+  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do "${sudo[@]}" umount -l "${mounted[i]}" 2> /dev/null || true; done
+}
+trap cleanup EXIT
+bind() {
+  "${sudo[@]}" mkdir -p "$chroot_dir$2"
+  "${sudo[@]}" mount --bind "$1" "$chroot_dir$2"
+  mounted+=("$chroot_dir$2")
+}
+bind /proc /proc
+bind /sys /sys
+bind /dev /dev
+bind /dev/pts /dev/pts
+bind "$root" /qkv
+[[ -d /dev/shm ]] && bind /dev/shm /dev/shm
+
+in_chroot() {
+  "${sudo[@]}" chroot "$chroot_dir" /usr/bin/env -i HOME=/root TERM="${TERM:-dumb}" LANG=C.UTF-8 \
+    PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin QKV_BUILD_DIR="/qkv/build-$release" \
+    QKV_CMAKE_ARGS="${QKV_CMAKE_ARGS:-}" "$@"
+}
+
+echo "test-in-debian: $release ($(in_chroot cat /etc/debian_version)), repository at /qkv"
+in_chroot bash /qkv/scripts/setup.sh
+if $prepare_only; then exit 0; fi
+in_chroot bash -c 'cd /qkv && case $0 in *.sh) exec bash "$0" "$@" ;; *) exec "$0" "$@" ;; esac' "$script" "$@"

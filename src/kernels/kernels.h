@@ -1,0 +1,37 @@
+// The backends of qkv::scaled_dot_product_attention, one file each, and what they share. Private:
+// they take inputs that src/functional.cpp has already checked.
+//
+// B = batch, H = query heads, Hkv = key/value heads, G = H / Hkv, N = query positions,
+// S = key positions, D = head width, Dv = value width.
+#pragma once
+
+#include <qkv/functional.h>
+
+#include <torch/types.h>
+
+namespace qkv::kernels {
+
+/// The documents' four steps with tensor ops: the reference every other backend is tested against.
+AttentionResult math_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const ScaledDotProductAttentionOptions& options);
+
+/// `at::scaled_dot_product_attention` (LibTorch >= 2.0); throws on older LibTorch.
+AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const ScaledDotProductAttentionOptions& options);
+
+/// The multiplier of QKᵀ: the option, else 1/sqrt(D).
+double resolved_scale(const ScaledDotProductAttentionOptions& options, int64_t head_width);
+
+/// Query heads per key/value head: H / Hkv with enable_gqa, else 1.
+int64_t query_groups(const torch::Tensor& q, const torch::Tensor& k);
+
+/// The mask every backend applies, with the causal mask folded in, and the rows that it leaves
+/// without any key ("dead" rows). Softmax over a row of -inf is NaN; qkv gives such rows a zero
+/// output and zero gradients instead.
+struct PreparedMask {
+  torch::Tensor mask;       // bool (true = attend) or floating, broadcastable to (..., N, S); may be undefined
+  torch::Tensor dead_rows;  // bool (..., N, 1): rows with no key left; undefined when there cannot be any
+};
+PreparedMask prepare_mask(const torch::Tensor& user_mask, bool causal, const torch::Tensor& q, int64_t num_keys);
+
+}  // namespace qkv::kernels

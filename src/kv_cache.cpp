@@ -1,0 +1,57 @@
+// KVCache: preallocated keys and values, appended to in place.
+#include <qkv/kv_cache.h>
+
+#include <torch/torch.h>
+
+namespace qkv {
+
+KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head_dim, int64_t value_dim,
+                 const torch::TensorOptions& options) {
+  TORCH_CHECK(batch >= 1 && kv_heads >= 1 && capacity >= 1 && head_dim >= 1 && value_dim >= 1,
+              "KVCache: expected batch, kv_heads, capacity, head_dim and value_dim >= 1, got batch ", batch,
+              ", kv_heads ", kv_heads, ", capacity ", capacity, ", head_dim ", head_dim, ", value_dim ", value_dim);
+  TORCH_CHECK(at::isFloatingType(c10::typeMetaToScalarType(options.dtype())),
+              "KVCache: expected a floating-point dtype, got ", options.dtype());
+  keys_ = torch::zeros({batch, kv_heads, capacity, head_dim}, options.requires_grad(false));
+  values_ = torch::zeros({batch, kv_heads, capacity, value_dim}, options.requires_grad(false));
+}
+
+torch::Tensor KVCache::keys() const { return keys_.narrow(/*dim=*/2, 0, length_); }
+
+torch::Tensor KVCache::values() const { return values_.narrow(/*dim=*/2, 0, length_); }
+
+void KVCache::check_append(const char* caller, int64_t batch, int64_t new_positions, torch::ScalarType dtype,
+                           const torch::Device& device) const {
+  TORCH_CHECK(batch == batch_size(), caller, ": the KVCache was made for a batch of ", batch_size(),
+              " sequences, got a batch of ", batch, "; make a cache with make_cache(", batch, ", capacity)");
+  TORCH_CHECK(dtype == this->dtype(), caller, ": the KVCache holds ", this->dtype(), ", got input of dtype ", dtype,
+              "; make the cache after converting the module with .to()");
+  TORCH_CHECK(device == this->device(), caller, ": the KVCache is on ", this->device(), ", got input on ", device,
+              "; make the cache after moving the module with .to()");
+  TORCH_CHECK(new_positions <= capacity() - length_, caller, ": the KVCache holds ", length_, " of its ", capacity(),
+              " positions; ", new_positions, " more would overflow it (reset() it, or make a larger one with "
+              "make_cache(batch, capacity))");
+}
+
+std::pair<torch::Tensor, torch::Tensor> KVCache::append(const torch::Tensor& keys, const torch::Tensor& values) {
+  TORCH_CHECK(keys.defined() && values.defined() && keys.dim() == 4 && values.dim() == 4,
+              "KVCache::append: expected keys (B, Hkv, T, D) and values (B, Hkv, T, Dv)");
+  check_append("KVCache::append", keys.size(0), keys.size(2), keys.scalar_type(), keys.device());
+  TORCH_CHECK(keys.size(1) == kv_heads() && keys.size(3) == head_dim() && values.sizes().slice(0, 3) ==
+                  keys.sizes().slice(0, 3) && values.size(3) == value_dim() && values.scalar_type() == dtype() &&
+                  values.device() == device(),
+              "KVCache::append: expected keys (B, ", kv_heads(), ", T, ", head_dim(), ") and values (B, ", kv_heads(),
+              ", T, ", value_dim(), ") of ", dtype(), " on ", device(), ", got keys ", keys.sizes(), " and values ",
+              values.sizes());
+  const int64_t added = keys.size(2);
+  {
+    // The storage never joins an autograd graph: the cache is for inference.
+    torch::NoGradGuard no_grad;
+    keys_.narrow(2, length_, added).copy_(keys);
+    values_.narrow(2, length_, added).copy_(values);
+  }
+  length_ += added;
+  return {this->keys(), this->values()};
+}
+
+}  // namespace qkv

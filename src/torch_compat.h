@@ -1,0 +1,44 @@
+// Every difference between the LibTorch versions qkv supports (Debian 12's 1.13 to the newest 2.x)
+// that qkv's code meets, in one place. Code elsewhere asks these macros and helpers instead of
+// comparing TORCH_VERSION itself. Private to qkv's build (library, apps, tests); not installed.
+#pragma once
+
+#include <torch/version.h>
+
+#include <utility>
+
+#define QKV_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// at::scaled_dot_product_attention (fused CPU and CUDA kernels) arrived in 2.0, its `scale`
+// argument in 2.1 (2.0 always scales by 1/sqrt(D)), and `enable_gqa` (key/value heads shared by
+// groups of query heads, without copying them) in 2.5.
+#define QKV_TORCH_HAS_SDPA QKV_TORCH_AT_LEAST(2, 0)
+#define QKV_TORCH_SDPA_HAS_SCALE QKV_TORCH_AT_LEAST(2, 1)
+#define QKV_TORCH_SDPA_HAS_GQA QKV_TORCH_AT_LEAST(2, 5)
+
+// c10d: in 1.13 a ProcessGroup (ProcessGroupGloo, ProcessGroupNCCL) implements the collectives; from
+// 2.0 those classes are Backends behind a dispatching ProcessGroup. qkv drives them directly.
+#define QKV_TORCH_C10D_BACKEND_CLASS QKV_TORCH_AT_LEAST(2, 0)
+
+namespace qkv::compat {
+
+namespace detail {
+template <typename Options>
+auto disable_libuv(Options& options, int) -> decltype(options.useLibUV = false, void()) {
+  options.useLibUV = false;
+}
+template <typename Options>
+void disable_libuv(Options&, long) {}
+}  // namespace detail
+
+/// c10d's TCPStore gained a libuv server (`TCPStoreOptions::useLibUV`) in 2.x and made it the
+/// default in 2.4, but LibTorch builds without libuv (Debian's among them) then fail at the
+/// rendezvous with "use_libuv was requested but PyTorch was build without libuv support". qkv
+/// asks for the classic server, which every version has; a no-op where the field does not exist.
+template <typename TCPStoreOptions>
+void use_classic_tcp_store(TCPStoreOptions& options) {
+  detail::disable_libuv(options, 0);
+}
+
+}  // namespace qkv::compat

@@ -1,0 +1,26 @@
+// The file format of Python's torch.save (a zip archive holding a pickle and the tensors' bytes):
+// reading it checked, and writing it as Python's weights_only loader accepts. Private to qkv's
+// build; the public face is read_tensor_dict / save_tensor_dict (state_dict.h).
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <string>
+#include <vector>
+
+namespace qkv::detail {
+
+/// The bytes of the file at `path`; throws c10::Error "<caller>: cannot read <path>: <reason>".
+std::vector<char> read_file_bytes(const std::string& path, const char* caller);
+
+/// The object a torch.save file holds, after checking the archive (verify_torch_archive): a
+/// damaged file is refused before LibTorch's reader sees it. Throws c10::Error naming `name`.
+c10::IValue read_torch_file(const std::vector<char>& bytes, const std::string& name, const char* caller);
+
+/// `value` (dicts, lists, tensors, numbers, strings) in torch.save's format. Unlike
+/// torch::pickle_save, containers carry no TorchScript type tags
+/// (torch.jit._pickle.restore_type_tag), which Python's default torch.load (weights_only, since
+/// PyTorch 2.6) refuses; the files load in PyTorch 1.13 and 2.x alike.
+std::vector<char> torch_save_bytes(const c10::IValue& value);
+
+}  // namespace qkv::detail

@@ -1,0 +1,70 @@
+// TransformerBlockImpl: pre-norm attention and MLP, each on a residual branch.
+//
+// B = batch, N = positions, T = new positions (cached decoding), E = d_model.
+#include <qkv/transformer_block.h>
+
+#include <torch/torch.h>
+
+namespace qkv {
+
+TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& options_) : options(options_) { reset(); }
+
+void TransformerBlockImpl::reset() {
+  const auto E = options.d_model();
+  TORCH_CHECK(E > 0, "TransformerBlock: expected d_model > 0, got ", E);
+  TORCH_CHECK(options.mlp_ratio() > 0, "TransformerBlock: expected mlp_ratio > 0, got ", options.mlp_ratio());
+  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0,
+              "TransformerBlock: expected dropout in [0, 1), got ", options.dropout());
+  TORCH_CHECK(options.layer_norm_eps() > 0.0, "TransformerBlock: expected layer_norm_eps > 0, got ",
+              options.layer_norm_eps());
+  const auto hidden = options.mlp_ratio() * E;
+  ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({E}).eps(options.layer_norm_eps())));
+  attn = register_module("attn", SelfAttention(SelfAttentionOptions(E)
+                                                   .num_heads(options.num_heads())
+                                                   .num_kv_heads(options.num_kv_heads())
+                                                   .rope(options.rope())
+                                                   .rope_base(options.rope_base())
+                                                   .causal(options.causal())
+                                                   .dropout(options.dropout())
+                                                   .bias(options.bias())
+                                                   .out_proj(true)
+                                                   .backend(options.backend())));
+  ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({E}).eps(options.layer_norm_eps())));
+  mlp_fc = register_module("mlp_fc", torch::nn::Linear(torch::nn::LinearOptions(E, hidden).bias(options.bias())));
+  mlp_proj = register_module("mlp_proj", torch::nn::Linear(torch::nn::LinearOptions(hidden, E).bias(options.bias())));
+  residual_dropout = register_module("residual_dropout", torch::nn::Dropout(options.dropout()));
+}
+
+void TransformerBlockImpl::pretty_print(std::ostream& stream) const {
+  stream << "qkv::TransformerBlock(d_model=" << options.d_model() << ", num_heads=" << options.num_heads();
+  if (options.num_kv_heads()) stream << ", num_kv_heads=" << *options.num_kv_heads();
+  stream << std::boolalpha << ", rope=" << options.rope() << ", causal=" << options.causal()
+         << ", dropout=" << options.dropout() << ", mlp_ratio=" << options.mlp_ratio() << ", bias=" << options.bias()
+         << ")";
+}
+
+torch::Tensor TransformerBlockImpl::mlp(const torch::Tensor& x) {
+  return mlp_proj(torch::gelu(mlp_fc(x)));  // (…, E) -> (…, mlp_ratio·E) -> (…, E)
+}
+
+torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const AttentionMask& mask) {
+  TORCH_CHECK(x.defined() && (x.dim() == 2 || x.dim() == 3) && x.size(-1) == options.d_model(),
+              "TransformerBlock: expected x of shape (B, N, ", options.d_model(), ") or (N, ", options.d_model(),
+              "), got ", x.defined() ? x.sizes() : c10::IntArrayRef{});
+  auto h = x + residual_dropout(attn(ln_1(x), /*context=*/torch::Tensor(), mask));  // (B, N, E)
+  return h + residual_dropout(mlp(ln_2(h)));                                         // (B, N, E)
+}
+
+KVCache TransformerBlockImpl::make_cache(int64_t batch, int64_t capacity) const {
+  return attn->make_cache(batch, capacity);
+}
+
+torch::Tensor TransformerBlockImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache) {
+  TORCH_CHECK(x.defined() && x.dim() == 3 && x.size(-1) == options.d_model(),
+              "TransformerBlock::forward_with_cache: expected x of shape (B, T, ", options.d_model(), "), got ",
+              x.defined() ? x.sizes() : c10::IntArrayRef{});
+  auto h = x + residual_dropout(attn->forward_with_cache(ln_1(x), cache));  // (B, T, E)
+  return h + residual_dropout(mlp(ln_2(h)));                                // (B, T, E)
+}
+
+}  // namespace qkv

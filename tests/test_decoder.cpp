@@ -1,0 +1,319 @@
+// The decoder features: grouped-query heads, rotary positions, the KV cache and TransformerBlock,
+// against PyTorch fixtures (scripts/gen_reference.py), against the full causal forward, inside
+// LibTorch's containers, and misused.
+#include "support/fixtures.h"
+
+#include <gmock/gmock.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <sstream>
+
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+// ---- PyTorch parity ----
+
+class DecoderParity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DecoderParity, OutputWeightsLossAndEveryGradient) {
+  const qkv_test::Fixture fixture(GetParam());
+  const bool block = fixture.has("config.kind") && fixture.text("config.kind") == "block";
+  auto query = fixture.tensor("input.query").clone().requires_grad_(true);
+  const double tolerance = qkv_test::tolerance_for(query.scalar_type(), query.size(-2) * query.size(-1));
+  torch::Tensor output;
+  std::shared_ptr<torch::nn::Module> module;
+  if (block) {
+    auto b = fixture.make_block();
+    module = b.ptr();
+    output = b(query);
+  } else {
+    auto attention = fixture.make_module();
+    module = attention.ptr();
+    auto result = attention->forward_with_weights(query);
+    EXPECT_TRUE(qkv_test::tensors_close(result.weights, fixture.tensor("expected.weights"), tolerance)) << "weights";
+    output = result.output;
+  }
+  EXPECT_TRUE(qkv_test::tensors_close(output, fixture.tensor("expected.output"), tolerance)) << "output";
+  auto loss = torch::mse_loss(output, fixture.tensor("target"));
+  EXPECT_TRUE(qkv_test::tensors_close(loss, fixture.tensor("expected.loss"), tolerance)) << "loss";
+  loss.backward();
+  double scale = qkv_test::max_abs(query.grad());
+  for (const auto& p : module->parameters()) scale = std::max(scale, qkv_test::max_abs(p.grad()));
+  for (const auto& item : module->named_parameters()) {
+    EXPECT_TRUE(qkv_test::tensors_close(item.value().grad(), fixture.tensor("grad." + item.key()), tolerance, scale))
+        << "gradient of " << item.key();
+  }
+  EXPECT_TRUE(qkv_test::tensors_close(query.grad(), fixture.tensor("grad.query"), tolerance, scale))
+      << "gradient of the input";
+  // The module's parameter names are the Python reference's state_dict() keys, all of them.
+  std::vector<std::string> names, python_names;
+  for (const auto& item : module->named_parameters()) names.push_back(item.key());
+  for (const auto& [name, tensor] : fixture.parameters()) python_names.push_back(name);
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, python_names);
+}
+
+INSTANTIATE_TEST_SUITE_P(PyTorch, DecoderParity,
+                         ::testing::Values("gqa_h8_kv8", "gqa_h8_kv4", "gqa_h8_kv2", "gqa_h8_kv1", "gqa_h8_kv2_f64",
+                                           "rope", "rope_f64", "rope_gqa_causal", "rope_gqa_causal_f64", "block",
+                                           "block_f64", "block_gqa_rope_causal", "block_gqa_rope_causal_f64"));
+
+TEST(GroupedQuery, KeyAndValueProjectionsHaveKvHeadsWidth) {
+  qkv::SelfAttention mqa(qkv::SelfAttentionOptions(32).num_heads(8).num_kv_heads(1));
+  EXPECT_EQ(mqa->W_q->weight.sizes(), (std::vector<int64_t>{32, 32}));
+  EXPECT_EQ(mqa->W_k->weight.sizes(), (std::vector<int64_t>{4, 32}));  // one head of width 32 / 8
+  EXPECT_EQ(mqa->W_v->weight.sizes(), (std::vector<int64_t>{4, 32}));
+  // The documents' default is unchanged: three square layers.
+  qkv::SelfAttention documents(8);
+  EXPECT_EQ(documents->W_k->weight.sizes(), (std::vector<int64_t>{8, 8}));
+}
+
+// ---- Cached decoding equals one causal forward over the whole sequence ----
+
+struct CacheCase {
+  std::string name;
+  int64_t heads, kv_heads;
+  bool rope;
+};
+
+const CacheCase kCacheCases[] = {
+    {"mha", 4, 4, false}, {"gqa", 4, 2, false}, {"rope", 4, 4, true}, {"gqa_rope", 4, 2, true}, {"mqa_rope", 4, 1, true}};
+
+// Feeds x (B, N, E) in pieces of the given sizes through forward_with_cache and returns the outputs joined.
+template <typename Module>
+torch::Tensor decode_in_pieces(Module& module, const torch::Tensor& x, const std::vector<int64_t>& pieces) {
+  torch::NoGradGuard no_grad;
+  auto cache = module->make_cache(x.size(0), x.size(1));
+  std::vector<torch::Tensor> outputs;
+  int64_t at = 0;
+  for (int64_t piece : pieces) {
+    outputs.push_back(module->forward_with_cache(x.narrow(1, at, piece), cache));
+    at += piece;
+    EXPECT_EQ(cache.length(), at);
+  }
+  EXPECT_EQ(at, x.size(1));
+  return torch::cat(outputs, /*dim=*/1);
+}
+
+TEST(KVCache, DecodingEqualsTheFullCausalForward) {
+  const std::vector<std::vector<int64_t>> schedules = {
+      {5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},  // a prompt, then one position at a time
+      {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+      {4, 3, 3, 5},                        // chunks
+  };
+  for (const auto dtype : {torch::kDouble, torch::kFloat}) {
+    const double tolerance = dtype == torch::kDouble ? 1e-10 : 1e-5;
+    for (const auto& c : kCacheCases) {
+      torch::manual_seed(11);
+      qkv::SelfAttention attention(
+          qkv::SelfAttentionOptions(32).num_heads(c.heads).num_kv_heads(c.kv_heads).rope(c.rope).causal(true).out_proj(true));
+      qkv::TransformerBlock block(
+          qkv::TransformerBlockOptions(32, c.heads).num_kv_heads(c.kv_heads).rope(c.rope).causal(true));
+      attention->to(dtype), block->to(dtype);
+      const auto x = torch::randn({3, 15, 32}, dtype);  // B = 3
+      torch::NoGradGuard no_grad;
+      const auto full_attention = attention(x), full_block = block(x);
+      for (const auto& schedule : schedules) {
+        EXPECT_TRUE(qkv_test::tensors_close(decode_in_pieces(attention, x, schedule), full_attention, tolerance))
+            << c.name << " attention, " << c10::toString(dtype) << ", " << schedule.size() << " calls";
+        EXPECT_TRUE(qkv_test::tensors_close(decode_in_pieces(block, x, schedule), full_block, tolerance))
+            << c.name << " block, " << c10::toString(dtype) << ", " << schedule.size() << " calls";
+      }
+    }
+  }
+}
+
+TEST(KVCache, CapacityIsFixedAndResetForgets) {
+  torch::manual_seed(12);
+  qkv::SelfAttention attention(qkv::SelfAttentionOptions(16).num_heads(4).num_kv_heads(2).causal(true));
+  auto cache = attention->make_cache(/*batch=*/2, /*capacity=*/8);
+  EXPECT_EQ(cache.capacity(), 8);
+  EXPECT_EQ(cache.length(), 0);
+  EXPECT_EQ(cache.kv_heads(), 2);
+  EXPECT_EQ(cache.head_dim(), 4);
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({2, 8, 16});
+  attention->forward_with_cache(x.narrow(1, 0, 3), cache);
+  const auto* storage = cache.keys().data_ptr<float>();
+  for (int64_t t = 3; t < 8; ++t) attention->forward_with_cache(x.narrow(1, t, 1), cache);
+  EXPECT_EQ(cache.keys().data_ptr<float>(), storage) << "appending reallocated the storage";
+  EXPECT_EQ(cache.keys().sizes(), (std::vector<int64_t>{2, 2, 8, 4}));
+  cache.reset();
+  EXPECT_EQ(cache.length(), 0);
+  // After reset the cache serves a new sequence from position 0.
+  EXPECT_TRUE(qkv_test::tensors_close(attention->forward_with_cache(x, cache), attention(x), 1e-5));
+}
+
+// ---- Inside LibTorch's containers, with one argument ----
+
+TEST(Containers, SequentialAnyModuleAndModuleListCallTheModulesWithOneArgument) {
+  torch::manual_seed(13);
+  qkv::SelfAttention attention(qkv::SelfAttentionOptions(16).num_heads(4));
+  qkv::TransformerBlock block(qkv::TransformerBlockOptions(16, 4).causal(true));
+  torch::nn::Linear head(16, 3);
+  const auto x = torch::randn({2, 5, 16});
+  const auto expected = head(block(attention(x)));
+
+  torch::nn::Sequential sequential(attention, block, head);
+  EXPECT_TRUE(qkv_test::tensors_close(sequential->forward(x), expected, 0.0));
+
+  torch::nn::AnyModule any_attention(attention), any_block(block);
+  EXPECT_TRUE(qkv_test::tensors_close(any_attention.forward(x), attention(x), 0.0));
+  EXPECT_TRUE(qkv_test::tensors_close(any_block.forward(x), block(x), 0.0));
+
+  torch::nn::ModuleList list(attention, block);
+  auto y = x;
+  for (const auto& module : *list) {
+    if (auto* a = module->as<qkv::SelfAttentionImpl>()) y = a->forward(y);
+    if (auto* b = module->as<qkv::TransformerBlockImpl>()) y = b->forward(y);
+  }
+  EXPECT_TRUE(qkv_test::tensors_close(y, block(attention(x)), 0.0));
+  EXPECT_EQ(list->size(), 2u);
+  // Parameters are reachable through the containers (an optimizer over the Sequential trains both).
+  EXPECT_EQ(sequential->parameters().size(), attention->parameters().size() + block->parameters().size() + 2);
+}
+
+TEST(TransformerBlock, PrintsItsOptionsAndTrains) {
+  torch::manual_seed(14);
+  qkv::TransformerBlock block(qkv::TransformerBlockOptions(16, 4).num_kv_heads(2).rope(true).causal(true).dropout(0.1));
+  std::ostringstream text;
+  text << *block;
+  EXPECT_THAT(text.str(), HasSubstr("qkv::TransformerBlock(d_model=16, num_heads=4, num_kv_heads=2, rope=true"));
+  const auto x = torch::randn({4, 8, 16});
+  const auto target = x.flip(1);
+  torch::optim::Adam optimizer(block->parameters(), torch::optim::AdamOptions(3e-3));
+  double first = 0, last = 0;
+  for (int step = 0; step < 40; ++step) {
+    optimizer.zero_grad();
+    auto loss = torch::mse_loss(block(x), target);
+    loss.backward();
+    optimizer.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, 0.8 * first);
+  // Dropout only while training: eval mode is deterministic.
+  block->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(qkv_test::tensors_close(block(x), block(x), 0.0));
+}
+
+// ---- Misuse: a clear error, and the module and cache unchanged ----
+
+struct CacheMisuse {
+  std::string name;
+  std::function<void(qkv::SelfAttention&, qkv::KVCache&)> action;
+  std::vector<std::string> message_parts;
+};
+
+TEST(KVCache, MisuseIsAClearErrorThatChangesNothing) {
+  const std::vector<CacheMisuse> cases = {
+      {"overflow", [](auto& m, auto& c) { m->forward_with_cache(torch::randn({2, 5, 16}), c); },
+       {"holds 3 of its 6 positions", "5 more would overflow"}},
+      {"batch", [](auto& m, auto& c) { m->forward_with_cache(torch::randn({3, 1, 16}), c); },
+       {"batch of 2", "got a batch of 3"}},
+      {"dtype", [](auto& m, auto& c) {
+         m->to(torch::kDouble);
+         try {
+           m->forward_with_cache(torch::randn({2, 1, 16}, torch::kDouble), c);
+         } catch (...) {
+           m->to(torch::kFloat);
+           throw;
+         }
+       },
+       {"holds Float", "got input of dtype Double"}},
+      {"input_width", [](auto& m, auto& c) { m->forward_with_cache(torch::randn({2, 1, 8}), c); },
+       {"(B, T, 16)", "[2, 1, 8]"}},
+      {"not_causal", [](auto& m, auto& c) {
+         m->options.causal(false);
+         try {
+           m->forward_with_cache(torch::randn({2, 1, 16}), c);
+         } catch (...) {
+           m->options.causal(true);
+           throw;
+         }
+       },
+       {"expected a causal module", "causal(true)"}},
+      {"grad_mode", [](auto& m, auto& c) {
+         torch::AutoGradMode enable(true);
+         m->forward_with_cache(torch::randn({2, 1, 16}), c);
+       },
+       {"for inference", "torch::NoGradGuard"}},
+      {"other_module", [](auto& m, auto& c) {
+         qkv::SelfAttention other(qkv::SelfAttentionOptions(16).num_heads(4).causal(true));
+         other->forward_with_cache(torch::randn({2, 1, 16}), c);
+       },
+       {"has 2 heads of width 4", "this module 4 of width 4"}},
+  };
+  for (const auto& c : cases) {
+    torch::manual_seed(15);
+    qkv::SelfAttention module(qkv::SelfAttentionOptions(16).num_heads(4).num_kv_heads(2).rope(true).causal(true));
+    auto cache = module->make_cache(/*batch=*/2, /*capacity=*/6);
+    torch::NoGradGuard no_grad;
+    module->forward_with_cache(torch::randn({2, 3, 16}), cache);
+    const auto keys_before = cache.keys().clone(), values_before = cache.values().clone();
+    std::map<std::string, torch::Tensor> parameters_before;
+    for (const auto& item : module->named_parameters()) parameters_before[item.key()] = item.value().clone();
+
+    try {
+      c.action(module, cache);
+      ADD_FAILURE() << c.name << ": no error";
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      for (const auto& part : c.message_parts) EXPECT_THAT(message, HasSubstr(part)) << c.name;
+      EXPECT_THAT(message, ::testing::Not(HasSubstr("INTERNAL ASSERT"))) << c.name;
+    }
+    EXPECT_EQ(cache.length(), 3) << c.name;
+    EXPECT_TRUE(torch::equal(cache.keys(), keys_before)) << c.name;
+    EXPECT_TRUE(torch::equal(cache.values(), values_before)) << c.name;
+    for (const auto& item : module->named_parameters()) {
+      EXPECT_TRUE(torch::equal(item.value(), parameters_before.at(item.key()))) << c.name << " " << item.key();
+    }
+  }
+}
+
+TEST(DecoderOptions, BadOptionsNameTheValues) {
+  EXPECT_THAT([] { qkv::SelfAttention(qkv::SelfAttentionOptions(32).num_heads(8).num_kv_heads(3)); },
+              ThrowsMessage<c10::Error>(HasSubstr("num_kv_heads dividing num_heads")));
+  EXPECT_THAT([] { qkv::SelfAttention(qkv::SelfAttentionOptions(32).num_heads(8).num_kv_heads(0)); },
+              ThrowsMessage<c10::Error>(HasSubstr("num_kv_heads = 0")));
+  EXPECT_THAT([] { qkv::SelfAttention(qkv::SelfAttentionOptions(12).num_heads(4).rope(true)); },
+              ThrowsMessage<c10::Error>(HasSubstr("rope needs an even head width D = d_model / num_heads, got D = 3")));
+  EXPECT_THAT([] { qkv::SelfAttention(qkv::SelfAttentionOptions(16).rope(true).rope_base(0.5)); },
+              ThrowsMessage<c10::Error>(HasSubstr("rope_base > 1")));
+  EXPECT_THAT([] { qkv::TransformerBlock(qkv::TransformerBlockOptions(16, 4).mlp_ratio(0)); },
+              ThrowsMessage<c10::Error>(HasSubstr("mlp_ratio > 0, got 0")));
+  EXPECT_THAT(
+      [] {
+        qkv::SelfAttention cross(qkv::SelfAttentionOptions(16).kdim(8).vdim(8).causal(true));
+        auto cache = cross->make_cache(1, 4);
+        torch::NoGradGuard no_grad;
+        cross->forward_with_cache(torch::randn({1, 1, 16}), cache);
+      },
+      ThrowsMessage<c10::Error>(HasSubstr("built for cross-attention (kdim = 8, vdim = 8)")));
+  EXPECT_THAT([] { qkv::KVCache(1, 2, 0, 4, 4, torch::kFloat); },
+              ThrowsMessage<c10::Error>(HasSubstr("capacity 0")));
+}
+
+// ---- Weights: a GQA module and a block round-trip through save_state_dict / load_state_dict ----
+
+TEST(DecoderWeights, SaveAndLoadRoundTrip) {
+  torch::manual_seed(16);
+  const auto path = std::filesystem::temp_directory_path() / ("qkv_block_" + std::to_string(::getpid()) + ".pt");
+  qkv::TransformerBlock block(qkv::TransformerBlockOptions(16, 4).num_kv_heads(1).rope(true));
+  qkv::save_state_dict(block, path.string());
+  qkv::TransformerBlock loaded(qkv::TransformerBlockOptions(16, 4).num_kv_heads(1).rope(true));
+  qkv::load_state_dict(loaded, path.string());
+  const auto x = torch::randn({2, 5, 16});
+  EXPECT_TRUE(qkv_test::tensors_close(loaded(x), block(x), 0.0));
+  // The wrong number of key/value heads is refused, naming the shapes.
+  qkv::TransformerBlock other(qkv::TransformerBlockOptions(16, 4));
+  EXPECT_THAT([&] { qkv::load_state_dict(other, path.string()); },
+              ThrowsMessage<c10::Error>(HasSubstr("attn.W_k.weight is [4, 16], the module's is [16, 16]")));
+  std::filesystem::remove(path);
+}
+
+}  // namespace

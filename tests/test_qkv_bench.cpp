@@ -1,0 +1,48 @@
+// qkv-bench: a smoke test only. Speed is measured by scripts/bench.sh, never asserted in tests.
+#include "support/apps.h"
+
+#include <gmock/gmock.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(BenchApp, TinyCaseRunsAndEmitsValidJson) {
+  auto run = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --threads 1 --benchmark_filter='^documents_forward(/|$)' "
+                                   "--benchmark_min_time=0.01 --benchmark_format=json");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto report = nlohmann::json::parse(run.output);
+  ASSERT_EQ(report["benchmarks"].size(), 1u) << run.output;
+  const auto& entry = report["benchmarks"][0];
+  EXPECT_EQ(entry["name"], "documents_forward/real_time");
+  EXPECT_FALSE(entry.value("error_occurred", false)) << entry.dump();
+  EXPECT_GT(entry["iterations"].get<int64_t>(), 0);
+  EXPECT_GT(entry["real_time"].get<double>(), 0.0);
+  EXPECT_GT(entry["peak_memory_bytes"].get<double>(), 0.0);
+  // FLOPs per iteration = FLOP/s × seconds. The documents' forward, N = 4, E = 8, one head:
+  // attention 4·N²·E = 512, projections 3 · 2·N·E² = 1536 (FlashAttention's convention).
+  const double seconds = entry["real_time"].get<double>() * (entry["time_unit"] == "ms" ? 1e-3 : 1e-6);
+  EXPECT_NEAR(entry["FLOPS"].get<double>() * seconds, 2048.0, 2048.0 * 1e-6);
+  EXPECT_EQ(report["context"]["torch_threads"], "1");
+}
+
+TEST(BenchApp, ListsTheCasesOfTheSharedCaseFileAndRefusesBadFlags) {
+  std::ifstream file(std::string(QKV_SOURCE_DIR) + "/apps/qkv-bench/cases.json");
+  const auto cases = nlohmann::json::parse(file);
+  std::string expected;
+  for (const auto& entry : cases["cases"]) {
+    if (entry["device"] == "cpu") expected += entry["name"].get<std::string>() + "\n";
+  }
+  auto run = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --list");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(run.output, expected);
+  auto bad = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --device tpu", true);
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_THAT(bad.output, HasSubstr("--device"));
+}
+
+
+}  // namespace

@@ -1,0 +1,160 @@
+// qkv-train --task lm: the character-level language model, run as a user runs it, and its text
+// handling. The training losses against PyTorch are checked by scripts/lm_pytorch.py (ctest
+// lm.pytorch_parity).
+#include "support/apps.h"
+#include "support/fixtures.h"
+
+#include "tasks/lm/text_data.h"
+
+#include <gmock/gmock.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+namespace {
+
+using ::testing::HasSubstr;
+using namespace qkv_test;
+
+const std::string kExcerpt = qkv_test::data_path("devil_excerpt.txt");
+// A model small enough for tests: two blocks, grouped-query heads.
+const std::string kSmallLm = "--task lm --device cpu --data " + kExcerpt +
+                             " --d-model 32 --heads 4 --kv-heads 2 --layers 2 --seq-len 32 --batch 8 --quiet ";
+
+void write(const fs::path& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
+
+TEST(LanguageModelText, EveryUtf8TextRoundTripsThroughTheTokenizer) {
+  const std::string text = "The Devil's Dictionary — Ambrose Bierce, 1906.\nÆsop: «ça» 漢字 𝄞 emoji 🙂\ttab\r\n";
+  const auto characters = qkv_train::lm::decode_utf8(text, "test");
+  EXPECT_EQ(characters.size(), 76u);  // code points, not bytes
+  EXPECT_EQ(qkv_train::lm::encode_utf8(characters), text);
+  const qkv_train::lm::CharTokenizer tokenizer(characters);
+  const auto ids = tokenizer.encode(characters, "test");
+  EXPECT_EQ(ids.numel(), static_cast<int64_t>(characters.size()));
+  EXPECT_EQ(tokenizer.decode(ids), text);
+  // The committed excerpt, whole.
+  const auto excerpt = read_file(kExcerpt);
+  const auto excerpt_characters = qkv_train::lm::decode_utf8(excerpt, "excerpt");
+  const qkv_train::lm::CharTokenizer excerpt_tokenizer(excerpt_characters);
+  EXPECT_EQ(excerpt_tokenizer.decode(excerpt_tokenizer.encode(excerpt_characters, "excerpt")), excerpt);
+}
+
+TEST(LanguageModelText, InvalidUtf8IsRefusedWithItsOffset) {
+  for (const auto& [bytes, why] : std::vector<std::pair<std::string, std::string>>{
+           {std::string("ab\xff", 3), "invalid leading byte at byte 2"},
+           {std::string("ab\xc3", 3), "truncated sequence at byte 2"},
+           {std::string("a\xc0\xaf", 3), "overlong sequence at byte 1"},
+           {std::string("a\0b", 3), "NUL byte"},
+           {std::string("\xed\xa0\x80", 3), "outside Unicode"}}) {
+    EXPECT_THAT([&] { qkv_train::lm::decode_utf8(bytes, "input"); },
+                ::testing::ThrowsMessage<qkv_train::lm::DataError>(HasSubstr(why)));
+  }
+}
+
+TEST(LanguageModelText, TheDefaultTextIsTheDevilsDictionaryWithoutItsDatabaseHeaders) {
+  if (!fs::exists(qkv_train::lm::kDefaultText)) GTEST_SKIP() << "dict-devil is not installed (scripts/setup.sh)";
+  const auto text = qkv_train::lm::read_text(qkv_train::lm::kDefaultText);
+  EXPECT_GT(text.size(), 300000u);
+  EXPECT_EQ(text.rfind("ABASEMENT, n.", 0), 0u) << text.substr(0, 80);  // the first entry
+  EXPECT_EQ(text.find("00-database"), std::string::npos);
+  EXPECT_EQ(read_file(kExcerpt), text.substr(0, read_file(kExcerpt).size())) << "the excerpt is its beginning";
+}
+
+TEST(LanguageModel, WritesItsFilesAndIsDeterministic) {
+  const auto a = fresh_dir("lm_a"), b = fresh_dir("lm_b");
+  for (const auto& dir : {a, b}) {
+    auto run = train(kSmallLm + "--steps 12 --log-every 1 --eval-every 6 --json --out " + dir.string());
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+  }
+  EXPECT_EQ(losses_by_step(a / "metrics.csv"), losses_by_step(b / "metrics.csv"));
+  EXPECT_EQ(losses_by_step(a / "metrics.csv").size(), 12u);
+  const auto summary = nlohmann::json::parse(read_file(a / "summary.json"));
+  for (const char* key : {"val_loss", "val_bpc", "bigram_val_loss"}) EXPECT_TRUE(summary["eval"].contains(key)) << key;
+  EXPECT_NEAR(summary["eval"]["val_bpc"].get<double>(), summary["eval"]["val_loss"].get<double>() / std::log(2.0), 1e-9);
+  EXPECT_EQ(summary["data"]["tokenization"], "character (Unicode code point)");
+  EXPECT_TRUE(summary["sample"]["text"].is_string());
+  for (const char* file : {"loss.png", "attention.png"}) EXPECT_TRUE(is_png(a / file)) << file;
+  for (const char* file : {"checkpoint.pt", "model.pt", "model_init.pt", "vocab.json", "metrics.csv"}) {
+    EXPECT_TRUE(fs::exists(a / file)) << file;
+  }
+  fs::remove_all(a), fs::remove_all(b);
+}
+
+TEST(LanguageModel, ResumedRunEqualsUninterruptedRun) {
+  const auto whole = fresh_dir("lm_whole"), split = fresh_dir("lm_split");
+  // Dropout on: the resumed run must also continue the random stream exactly.
+  const std::string args = kSmallLm + "--dropout 0.1 --log-every 1 --eval-every 5 ";
+  ASSERT_EQ(train(args + "--steps 10 --out " + whole.string()).exit_code, 0);
+  ASSERT_EQ(train(args + "--steps 5 --out " + split.string()).exit_code, 0);
+  auto resumed = train("--resume " + split.string() + " --steps 10 --quiet", /*merge_stderr=*/true);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(losses_by_step(split / "metrics.csv"), losses_by_step(whole / "metrics.csv"));
+  fs::remove_all(whole), fs::remove_all(split);
+}
+
+TEST(LanguageModel, GreedyGenerationWithTheCacheEqualsRecomputingThePrefix) {
+  const auto out = fresh_dir("lm_generate");
+  ASSERT_EQ(train(kSmallLm + "--steps 30 --out " + out.string()).exit_code, 0);
+  const std::string generate = "--generate --resume " + out.string() + " --prompt 'THE ' --max-new-tokens 24 ";
+  auto cached = train(generate + "--temperature 0 --json");
+  auto recomputed = train(generate + "--temperature 0 --no-kv-cache --json");
+  ASSERT_EQ(cached.exit_code, 0) << cached.output;
+  ASSERT_EQ(recomputed.exit_code, 0) << recomputed.output;
+  const auto with_cache = nlohmann::json::parse(cached.output), without_cache = nlohmann::json::parse(recomputed.output);
+  EXPECT_EQ(with_cache["text"], without_cache["text"]);
+  EXPECT_EQ(with_cache["new_tokens"], 24);
+  EXPECT_TRUE(with_cache["kv_cache"].get<bool>());
+  EXPECT_FALSE(without_cache["kv_cache"].get<bool>());
+  // Sampling is seeded: the same seed gives the same text, and the plain output is prompt + text.
+  auto sampled = train(generate + "--temperature 0.8 --top-k 5 --seed 3");
+  auto again = train(generate + "--temperature 0.8 --top-k 5 --seed 3");
+  ASSERT_EQ(sampled.exit_code, 0) << sampled.output;
+  EXPECT_EQ(sampled.output, again.output);
+  EXPECT_EQ(sampled.output.rfind("THE ", 0), 0u) << sampled.output;
+  fs::remove_all(out);
+}
+
+TEST(LanguageModel, AOneMinuteRunOnTheExcerptBeatsTheBigramBaseline) {
+  const auto out = fresh_dir("lm_learns");
+  auto run = train("--task lm --device cpu --data " + kExcerpt +
+                       " --d-model 64 --heads 4 --layers 2 --seq-len 64 --batch 16 --steps 300 --lr 3e-3 "
+                       "--warmup-steps 30 --dropout 0 --eval-every 300 --quiet --json --out " + out.string(),
+                   /*merge_stderr=*/false);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto summary = nlohmann::json::parse(run.output);
+  EXPECT_LT(summary["eval"]["val_loss"].get<double>(), summary["eval"]["bigram_val_loss"].get<double>())
+      << summary.dump(2);
+  EXPECT_LT(summary["wall_time_s"].get<double>(), 600.0) << "not a timing test; just a bound on runaway runs";
+  fs::remove_all(out);
+}
+
+TEST(LanguageModel, BadInputsAreClearErrorsWithStatus2) {
+  const auto dir = fresh_dir("lm_bad");
+  fs::create_directories(dir);
+  write(dir / "empty.txt", "");
+  write(dir / "binary.bin", std::string("\x7f" "ELF\x02\x01\x01\0\0\0", 10));
+  write(dir / "short.txt", "too short");
+  const auto model = fresh_dir("lm_bad_model");
+  ASSERT_EQ(train(kSmallLm + "--steps 2 --out " + model.string()).exit_code, 0);
+  const std::string generate = "--generate --resume " + model.string() + " ";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--task lm --data " + (dir / "missing.txt").string(), "--data"},
+      {"--task lm --data " + (dir / "empty.txt").string(), "the file is empty"},
+      {"--task lm --data " + (dir / "binary.bin").string(), "is not UTF-8 text"},
+      {"--task lm --data " + (dir / "short.txt").string(), "too few for --seq-len"},
+      {generate + "--prompt 'zebra ~~ \xe2\x82\xac'", "characters outside the model's vocabulary"},
+      {generate + "--max-new-tokens 40", "more than the model's context and KV cache capacity, --seq-len 32"},
+      {generate + "--top-k 0", "--top-k"},
+      {"--task lm --generate", "--generate needs a trained model"},
+      {"--task lm --causal", "--causal is not an option of --task lm"},
+  };
+  for (const auto& [arguments, message] : cases) {
+    auto run = train(arguments + " --device cpu", /*merge_stderr=*/true);
+    EXPECT_EQ(run.exit_code, 2) << arguments << ": " << run.output;
+    EXPECT_THAT(run.output, HasSubstr(message)) << arguments;
+    EXPECT_THAT(run.output, HasSubstr("qkv-train: error:")) << arguments;
+  }
+  fs::remove_all(dir), fs::remove_all(model);
+}
+
+}  // namespace
