@@ -6,6 +6,7 @@
 #include <qkv/functional.h>
 
 #include "kernels/kernels.h"
+#include "kernels/tiled_cpu.h"
 #include "torch_compat.h"
 
 #include <torch/torch.h>
@@ -19,6 +20,7 @@ const char* to_string(AttentionBackend backend) {
     case AttentionBackend::Auto: return "auto";
     case AttentionBackend::Math: return "math";
     case AttentionBackend::Fused: return "fused";
+    case AttentionBackend::Tiled: return "tiled";
   }
   return "unknown";
 }
@@ -99,6 +101,22 @@ void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, cons
     TORCH_CHECK(broadcastable, "scaled_dot_product_attention: expected a mask broadcastable to the scores' shape ",
                 c10::IntArrayRef(scores_shape), " (..., N, S), got ", mask.sizes());
   }
+  const auto& lengths = options.key_lengths();
+  if (lengths.defined()) {
+    TORCH_CHECK(q.dim() == 4 && lengths.dim() == 1 && lengths.size(0) == q.size(0),
+                "scaled_dot_product_attention: expected key_lengths of shape (B,) for q (B, H, N, D), got key_lengths ",
+                lengths.sizes(), " and q ", q.sizes());
+    TORCH_CHECK(lengths.scalar_type() == torch::kLong, "scaled_dot_product_attention: expected int64 key_lengths, got ",
+                lengths.scalar_type());
+    TORCH_CHECK(lengths.device() == q.device(), "scaled_dot_product_attention: expected key_lengths on ", q.device(),
+                ", got ", lengths.device());
+  }
+  if (options.backend() == AttentionBackend::Tiled) {
+    TORCH_CHECK(!options.need_weights(), "scaled_dot_product_attention: the tiled backend cannot return the attention "
+                "weights; use AttentionBackend::Auto or Math with need_weights");
+    TORCH_CHECK(kernels::tiled_supports(q), "scaled_dot_product_attention: the tiled backend runs on the CPU in "
+                "float32, float64 or bfloat16, got ", q.scalar_type(), " on ", q.device());
+  }
   if (options.backend() == AttentionBackend::Fused) {
     TORCH_CHECK(fused_backend_available(), "scaled_dot_product_attention: the fused backend needs LibTorch >= 2.0, "
                 "this build has ", TORCH_VERSION, "; use AttentionBackend::Auto or Math");
@@ -115,6 +133,10 @@ AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
   // Only the math path returns weights. Empty inputs go to it too: some fused kernels reject
   // zero-sized launches, and there is nothing to compute.
   if (options.need_weights() || q.numel() == 0 || k.numel() == 0) return AttentionBackend::Math;
+  // CPU: qkv's tiled kernel, where it has a BLAS. Measured on the 2-core development machine
+  // (docs/PERFORMANCE.md, "Choosing the CPU backend"): faster than the math path at every size
+  // from N = 4 to 4096, forward and backward.
+  if (kernels::tiled_supports(q) && kernels::tiled_uses_blas()) return AttentionBackend::Tiled;
   return fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
 }
 
@@ -123,6 +145,7 @@ AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch
   check_attention_inputs(q, k, v, options);
   switch (choose_backend(q, k, options)) {
     case AttentionBackend::Fused: return kernels::fused_attention(q, k, v, options);
+    case AttentionBackend::Tiled: return kernels::tiled_attention(q, k, v, options);
     default: return kernels::math_attention(q, k, v, options);
   }
 }

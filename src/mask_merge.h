@@ -19,6 +19,10 @@ struct MaskTarget {
   torch::Device device = torch::kCPU;
 };
 
+/// Checks `mask.key_lengths` against `target` (shape, integer dtype, device, values in [0, S]) and
+/// returns them as int64 (B,).
+torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& target);
+
 /// Checks every part of `mask` against `target` and merges them into one tensor broadcastable to
 /// (B, H, N, S): bool when every part is bool, else floating in target.dtype (-inf where a bool
 /// part forbids). Undefined when the mask is empty.

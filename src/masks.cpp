@@ -29,6 +29,27 @@ torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::De
 
 namespace detail {
 
+torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& target) {
+  const bool batched = target.batched;
+  const int64_t batch = target.batch, num_keys = target.num_keys;
+  const auto& device = target.device;
+  const auto& lengths = mask.key_lengths;
+  const bool shape_ok = batched ? (lengths.dim() == 1 && lengths.size(0) == batch) : lengths.numel() == 1;
+  TORCH_CHECK(shape_ok, "SelfAttention: expected key_lengths of shape ", batched ? "(B,) = (" : "() = (",
+              batched ? std::to_string(batch) : std::string(), batched ? ",)" : ")", ", got ", lengths.sizes());
+  TORCH_CHECK(!lengths.is_floating_point() && lengths.scalar_type() != torch::kBool,
+              "SelfAttention: expected integer key_lengths, got ", lengths.scalar_type());
+  TORCH_CHECK(lengths.device() == device, "SelfAttention: expected key_lengths on ", device, ", got ",
+              lengths.device());
+  if (lengths.numel() > 0) {
+    const auto shortest = lengths.min().item<int64_t>();
+    const auto longest = lengths.max().item<int64_t>();
+    TORCH_CHECK(shortest >= 0 && longest <= num_keys, "SelfAttention: expected key_lengths in [0, S] = [0, ",
+                num_keys, "], got values from ", shortest, " to ", longest);
+  }
+  return lengths.reshape({batch}).to(torch::kLong);
+}
+
 torch::Tensor merge_attention_mask(const AttentionMask& mask, const MaskTarget& target) {
   const bool batched = target.batched;
   const int64_t batch = target.batch, heads = target.heads;
@@ -39,21 +60,7 @@ torch::Tensor merge_attention_mask(const AttentionMask& mask, const MaskTarget& 
   torch::Tensor keys;  // bool (B, 1, 1, S): false for padding keys
 
   if (mask.key_lengths.defined()) {
-    const auto& lengths = mask.key_lengths;
-    const bool shape_ok = batched ? (lengths.dim() == 1 && lengths.size(0) == batch) : lengths.numel() == 1;
-    TORCH_CHECK(shape_ok, "SelfAttention: expected key_lengths of shape ", batched ? "(B,) = (" : "() = (",
-                batched ? std::to_string(batch) : std::string(), batched ? ",)" : ")", ", got ", lengths.sizes());
-    TORCH_CHECK(!lengths.is_floating_point() && lengths.scalar_type() != torch::kBool,
-                "SelfAttention: expected integer key_lengths, got ", lengths.scalar_type());
-    TORCH_CHECK(lengths.device() == device, "SelfAttention: expected key_lengths on ", device, ", got ",
-                lengths.device());
-    if (lengths.numel() > 0) {
-      const auto shortest = lengths.min().item<int64_t>();
-      const auto longest = lengths.max().item<int64_t>();
-      TORCH_CHECK(shortest >= 0 && longest <= num_keys, "SelfAttention: expected key_lengths in [0, S] = [0, ",
-                  num_keys, "], got values from ", shortest, " to ", longest);
-    }
-    keys = key_mask_from_lengths(lengths.reshape({batch}), num_keys);  // (B, S)
+    keys = key_mask_from_lengths(checked_key_lengths(mask, target), num_keys);  // (B, S)
   }
   if (mask.key_mask.defined()) {
     const auto& key_mask = mask.key_mask;

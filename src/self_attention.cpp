@@ -204,8 +204,14 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   detail::MaskTarget target;
   target.batched = batched, target.batch = B, target.heads = H, target.num_queries = N, target.num_keys = S;
   target.dtype = q.scalar_type(), target.device = q.device();
+  // Key lengths go to the core as lengths (backends that know them skip the padding); the other
+  // parts become one mask.
+  auto other_parts = mask;
+  other_parts.key_lengths = torch::Tensor();
+  const auto lengths = mask.key_lengths.defined() ? detail::checked_key_lengths(mask, target) : torch::Tensor();
   auto result = scaled_dot_product_attention(
-      q, k, v, attention_options(need_weights).mask(detail::merge_attention_mask(mask, target)));
+      q, k, v,
+      attention_options(need_weights).mask(detail::merge_attention_mask(other_parts, target)).key_lengths(lengths));
 
   auto output = join_heads(result.output);  // (B, N, E)
   if (W_o) output = W_o(output);
@@ -230,7 +236,9 @@ AttentionBackend SelfAttentionImpl::backend_for(const torch::Tensor& query, cons
   const auto q = stand_in.expand({B, options.num_heads(), query.size(-2), D});
   const auto k = stand_in.expand({B, kv_heads_of(options), source.size(-2), D});
   auto attention = attention_options(/*need_weights=*/false);
-  if (!mask.empty()) attention.mask(torch::ones({1}, torch::TensorOptions(torch::kBool).device(query.device())));
+  const auto bools = torch::TensorOptions(torch::kBool).device(query.device());
+  if (mask.key_mask.defined() || mask.attn_mask.defined()) attention.mask(torch::ones({1}, bools));
+  if (mask.key_lengths.defined()) attention.key_lengths(torch::zeros({B}, bools.dtype(torch::kLong)));
   return choose_backend(q, k, attention);
 }
 

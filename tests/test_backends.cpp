@@ -16,7 +16,7 @@ TEST(Backends, TheResultSaysWhichBackendRan) {
   qkv::SelfAttention module(qkv::SelfAttentionOptions(8).num_heads(2));
   auto x = torch::randn({2, 3, 8});
   EXPECT_EQ(module->forward_with_weights(x).backend, AttentionBackend::Math);  // only math returns weights
-  const auto expected = qkv::fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
+  const auto expected = qkv_test::default_cpu_backend();
   EXPECT_EQ(module->attend(x, x, x).backend, expected);
   EXPECT_EQ(module->backend_for(x), expected);  // the same answer without running anything
   module->options.backend(AttentionBackend::Math);
@@ -165,6 +165,17 @@ TEST_P(FusedOnCpu, MatchesTheMathPathOnOutputsAndEveryGradient) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedOnCpu, ::testing::Values(torch::kDouble, torch::kFloat, torch::kBFloat16),
+                         [](const auto& info) { return std::string(c10::toString(info.param)); });
+
+class TiledOnCpu : public ::testing::TestWithParam<torch::ScalarType> {};
+
+TEST_P(TiledOnCpu, MatchesTheMathPathOnOutputsAndEveryGradient) {
+  for (const auto& c : backend_cases()) {
+    expect_backend_matches_float64_math(c, AttentionBackend::Tiled, torch::kCPU, GetParam());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, TiledOnCpu, ::testing::Values(torch::kDouble, torch::kFloat, torch::kBFloat16),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
 
 // The PyTorch fixtures with the fused backend forced (the module's default picks it anyway where

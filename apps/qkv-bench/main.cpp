@@ -57,6 +57,13 @@ Case parse_case(const nlohmann::json& j) {
   return c;
 }
 
+qkv::AttentionBackend backend_of(const std::string& impl) {
+  if (impl == "fused") return qkv::AttentionBackend::Fused;
+  if (impl == "tiled") return qkv::AttentionBackend::Tiled;
+  if (impl == "auto") return qkv::AttentionBackend::Auto;
+  return qkv::AttentionBackend::Math;
+}
+
 bool is_core(const Case& c) { return c.kind.rfind("core_", 0) == 0; }
 bool has_backward(const Case& c) { return c.kind != "module_forward" && c.kind != "core_forward"; }
 
@@ -88,8 +95,7 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
     auto k = torch::randn(shape, options).requires_grad_(backward);
     auto v = torch::randn(shape, options).requires_grad_(backward);
     auto grad_output = torch::randn(shape, options);
-    const auto core_options = qkv::ScaledDotProductAttentionOptions().causal(c.causal).backend(
-        c.impl == "fused" ? qkv::AttentionBackend::Fused : qkv::AttentionBackend::Math);
+    const auto core_options = qkv::ScaledDotProductAttentionOptions().causal(c.causal).backend(backend_of(c.impl));
     return [=]() mutable {
       auto out = qkv::scaled_dot_product_attention(q, k, v, core_options).output;
       if (backward) {

@@ -20,6 +20,9 @@ enum class AttentionBackend {
   /// kernels on CUDA, a fused kernel on the CPU. Never materialises the (N, S) weights, so it
   /// cannot return them.
   Fused,
+  /// qkv's own tiled CPU kernel (FlashAttention-2 style, forward and backward, O(N) memory, dropout
+  /// inside the kernel), on every LibTorch. CPU tensors of float32, float64 or bfloat16.
+  Tiled,
 };
 
 const char* to_string(AttentionBackend backend);
@@ -39,6 +42,9 @@ struct ScaledDotProductAttentionOptions {
   TORCH_ARG(torch::Tensor, mask) = {};
   /// Query i attends only to keys j <= i (top-left aligned when N != S, as PyTorch).
   TORCH_ARG(bool, causal) = false;
+  /// int64 (B,) for inputs (B, H, N, D): keys at positions >= key_lengths[b] are padding (as a
+  /// mask false there). Backends that know it skip those keys instead of masking them.
+  TORCH_ARG(torch::Tensor, key_lengths) = {};
   /// Multiplier of QKᵀ. Unset: 1/sqrt(d_k), d_k = q.size(-1). 1.0 gives the unscaled variant.
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
   /// Dropout probability on the attention weights, applied only when `training` is true.

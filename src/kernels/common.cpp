@@ -18,12 +18,26 @@ int64_t query_groups(const torch::Tensor& q, const torch::Tensor& k) {
   return q.dim() >= 3 && k.size(-3) > 0 ? q.size(-3) / k.size(-3) : 1;
 }
 
-PreparedMask prepare_mask(const torch::Tensor& user_mask, bool causal, const torch::Tensor& q, int64_t num_keys) {
+PreparedMask prepare_mask(const ScaledDotProductAttentionOptions& options, const torch::Tensor& q, int64_t num_keys) {
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   PreparedMask prepared;
   const int64_t num_queries = q.size(-2);
+  const bool causal = options.causal();
+  torch::Tensor user_mask = options.mask();
+  if (user_mask.defined() && user_mask.is_floating_point()) user_mask = user_mask.to(q.scalar_type());
+  if (options.key_lengths().defined()) {
+    // Key lengths as a mask: (B, 1, 1, S), true for the first key_lengths[b] keys.
+    const auto keys = key_mask_from_lengths(options.key_lengths(), num_keys)
+                          .view({options.key_lengths().size(0), 1, 1, num_keys});
+    if (!user_mask.defined()) {
+      user_mask = keys;
+    } else if (user_mask.scalar_type() == torch::kBool) {
+      user_mask = user_mask.logical_and(keys);
+    } else {
+      user_mask = user_mask.masked_fill(keys.logical_not(), kNegInf);
+    }
+  }
   torch::Tensor mask = user_mask;
-  if (mask.defined() && mask.is_floating_point()) mask = mask.to(q.scalar_type());
   if (causal) {
     auto allowed = causal_mask(num_queries, num_keys, q.device());  // (N, S)
     if (!mask.defined()) {

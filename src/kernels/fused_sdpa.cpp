@@ -17,11 +17,12 @@ AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, 
   const int64_t num_keys = k.size(-2);
   // Without a user mask, a square causal pattern goes to the kernels as is_causal, which lets
   // them skip the masked half. Everything else becomes one explicit mask.
-  const bool kernel_causal = options.causal() && !options.mask().defined() && num_queries == num_keys;
+  const bool kernel_causal = options.causal() && !options.mask().defined() && !options.key_lengths().defined() &&
+                             num_queries == num_keys;
   c10::optional<torch::Tensor> mask;
   torch::Tensor dead_rows;
-  if (!kernel_causal && (options.mask().defined() || options.causal())) {
-    auto prepared = prepare_mask(options.mask(), options.causal(), q, num_keys);
+  if (!kernel_causal && (options.mask().defined() || options.key_lengths().defined() || options.causal())) {
+    auto prepared = prepare_mask(options, q, num_keys);
     dead_rows = prepared.dead_rows;
     if (dead_rows.defined()) {
       // Let dead rows attend everywhere inside the kernel, then zero them (see math_attention).

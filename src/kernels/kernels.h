@@ -19,6 +19,10 @@ AttentionResult math_attention(const torch::Tensor& q, const torch::Tensor& k, c
 AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const ScaledDotProductAttentionOptions& options);
 
+/// qkv's tiled CPU kernel (see tiled_cpu.cpp); CPU float32, float64, bfloat16.
+AttentionResult tiled_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const ScaledDotProductAttentionOptions& options);
+
 /// The multiplier of QKᵀ: the option, else 1/sqrt(D).
 double resolved_scale(const ScaledDotProductAttentionOptions& options, int64_t head_width);
 
@@ -32,6 +36,6 @@ struct PreparedMask {
   torch::Tensor mask;       // bool (true = attend) or floating, broadcastable to (..., N, S); may be undefined
   torch::Tensor dead_rows;  // bool (..., N, 1): rows with no key left; undefined when there cannot be any
 };
-PreparedMask prepare_mask(const torch::Tensor& user_mask, bool causal, const torch::Tensor& q, int64_t num_keys);
+PreparedMask prepare_mask(const ScaledDotProductAttentionOptions& options, const torch::Tensor& q, int64_t num_keys);
 
 }  // namespace qkv::kernels

@@ -36,7 +36,7 @@ torch::Tensor unstack_groups(const torch::Tensor& t, int64_t groups) {
 AttentionResult math_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const ScaledDotProductAttentionOptions& options) {
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-  const auto prepared = prepare_mask(options.mask(), options.causal(), q, k.size(-2));
+  const auto prepared = prepare_mask(options, q, k.size(-2));
   const int64_t groups = options.enable_gqa() ? query_groups(q, k) : 1;
   // q·kᵀ and weights·v, for one head per key/value head or for groups of them.
   auto times = [groups](const torch::Tensor& left, const torch::Tensor& right) {

@@ -1,5 +1,6 @@
 #include "support/fixtures.h"
 
+#include "kernels/tiled_cpu.h"
 #include "torch_file.h"
 
 #include <cmath>
@@ -105,6 +106,11 @@ double tolerance_for(torch::ScalarType dtype, int64_t reduction_length) {
   const double accumulation_epsilon = half ? epsilon(torch::kFloat) : epsilon(dtype);
   const double length = static_cast<double>(std::max<int64_t>(reduction_length, 1));
   return 8.0 * (storage_epsilon + std::sqrt(length) * accumulation_epsilon);
+}
+
+qkv::AttentionBackend default_cpu_backend() {
+  if (qkv::kernels::tiled_uses_blas()) return qkv::AttentionBackend::Tiled;
+  return qkv::fused_backend_available() ? qkv::AttentionBackend::Fused : qkv::AttentionBackend::Math;
 }
 
 double max_abs(const torch::Tensor& t) {

@@ -63,6 +63,10 @@ double relative_error(const torch::Tensor& actual, const torch::Tensor& expected
 ::testing::AssertionResult tensors_close(const torch::Tensor& actual, const torch::Tensor& expected,
                                          double tolerance, double scale = 0.0);
 
+/// What AttentionBackend::Auto runs on the CPU for float32 inputs without weights, as documented:
+/// the tiled kernel where qkv was built with a BLAS, else the fused one where LibTorch has it, else math.
+qkv::AttentionBackend default_cpu_backend();
+
 /// max |t| (0 for an empty or undefined tensor).
 double max_abs(const torch::Tensor& t);
 

@@ -1,0 +1,84 @@
+// Compiled with -fno-trapping-math -fno-math-errno (see src/CMakeLists.txt): without them GCC
+// keeps the comparisons below as branches and does not vectorise the loops.
+#include "kernels/vector_math.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#define QKV_VECTORISED __attribute__((target_clones("avx2,fma", "default")))
+
+namespace qkv::kernels {
+
+QKV_VECTORISED float exp_shifted_sum(float* __restrict x, int64_t n, float shift) {
+  // exp(v) = 2^k · exp(r), k = round(v / ln 2), r = v - k ln 2 in [-ln2/2, ln2/2]; exp(r) by the
+  // minimax polynomial of Cephes' expf; 2^k by writing k into the exponent bits.
+  constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 · 2^23: adding and subtracting it rounds to an integer
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] - shift;
+    const float clamped = v < -87.0f ? -87.0f : (v > 88.0f ? 88.0f : v);
+    const float k = (clamped * kLog2e + kRound) - kRound;
+    const float r = clamped - k * kLn2High - k * kLn2Low;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    const float exp_r = p * (r * r) + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float two_to_k;
+    std::memcpy(&two_to_k, &bits, sizeof two_to_k);
+    x[i] = v < -87.0f ? 0.0f : exp_r * two_to_k;
+  }
+  // Eight running sums so that the additions vectorise (and round less).
+  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int lane = 0; lane < 8; ++lane) partial[lane] += x[i + lane];
+  }
+  float sum = 0.0f;
+  for (; i < n; ++i) sum += x[i];
+  for (float lane : partial) sum += lane;
+  return sum;
+}
+
+double exp_shifted_sum(double* x, int64_t n, double shift) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
+
+QKV_VECTORISED float max_of(const float* __restrict x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) best = x[i] > best ? x[i] : best;
+  return best;
+}
+
+double max_of(const double* x, int64_t n) {
+  double best = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < n; ++i) best = x[i] > best ? x[i] : best;
+  return best;
+}
+
+QKV_VECTORISED void scale(float* __restrict x, int64_t n, float factor) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+}
+
+void scale(double* x, int64_t n, double factor) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+}
+
+QKV_VECTORISED void softmax_backward(const float* __restrict p, float* __restrict ds, int64_t n, float delta) {
+  for (int64_t i = 0; i < n; ++i) ds[i] = p[i] * (ds[i] - delta);
+}
+
+void softmax_backward(const double* p, double* ds, int64_t n, double delta) {
+  for (int64_t i = 0; i < n; ++i) ds[i] = p[i] * (ds[i] - delta);
+}
+
+}  // namespace qkv::kernels

@@ -1,0 +1,27 @@
+// Row operations of the tiled kernel, vectorised: the compiler emits AVX2/FMA code beside the
+// baseline and the CPU picks one at load time (GCC's target_clones). Private to qkv.
+#pragma once
+
+#include <cstdint>
+
+namespace qkv::kernels {
+
+/// x[i] <- exp(x[i] - shift) for i < n, and returns their sum. Entries at or below shift - 87
+/// (masked ones are -inf) become exactly 0. float: a Cephes-style polynomial, relative error
+/// below 1e-7; double: std::exp.
+float exp_shifted_sum(float* x, int64_t n, float shift);
+double exp_shifted_sum(double* x, int64_t n, double shift);
+
+/// The largest of x[0 .. n) (-inf for n = 0).
+float max_of(const float* x, int64_t n);
+double max_of(const double* x, int64_t n);
+
+/// x[i] <- x[i] * factor.
+void scale(float* x, int64_t n, float factor);
+void scale(double* x, int64_t n, double factor);
+
+/// ds[i] <- p[i] * (ds[i] - delta): softmax's backward for one row.
+void softmax_backward(const float* p, float* ds, int64_t n, float delta);
+void softmax_backward(const double* p, double* ds, int64_t n, double delta);
+
+}  // namespace qkv::kernels

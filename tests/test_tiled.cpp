@@ -1,0 +1,297 @@
+// The tiled CPU backend against the math path (the reference): outputs and every gradient over
+// random configurations with every kind of mask, finite differences, dropout, and the PyTorch
+// fixtures with the backend forced.
+//
+// B = batch, H = query heads, Hkv = key/value heads, N = queries, S = keys, D = head width.
+#include "support/fixtures.h"
+
+#include "kernels/tiled_cpu.h"
+
+#include <gmock/gmock.h>
+
+#include <limits>
+#include <random>
+
+namespace {
+
+using qkv::AttentionBackend;
+
+// One random configuration of the attention core.
+struct Config {
+  int64_t B, H, Hkv, N, S, D, Dv;
+  bool causal;
+  std::string mask;  // none | key_lengths | key_mask | bool | float | dead_rows
+  c10::optional<double> scale;
+
+  std::string name() const {
+    std::ostringstream text;
+    text << "B" << B << " H" << H << " Hkv" << Hkv << " N" << N << " S" << S << " D" << D << " Dv" << Dv
+         << (causal ? " causal" : "") << " mask " << mask << (scale ? " scale " + std::to_string(*scale) : "");
+    return text.str();
+  }
+};
+
+Config random_config(std::mt19937& random) {
+  auto pick = [&](std::vector<int64_t> values) {
+    return values[std::uniform_int_distribution<size_t>(0, values.size() - 1)(random)];
+  };
+  Config c;
+  c.B = pick({1, 2, 3});
+  c.Hkv = pick({1, 2, 3});
+  c.H = c.Hkv * pick({1, 1, 2, 4});
+  // Sizes around the block sizes (64 rows, 128 keys) and below them, odd ones included.
+  c.N = pick({1, 2, 7, 63, 64, 65, 100, 129, 200});
+  c.S = std::uniform_int_distribution<int>(0, 2)(random) == 0 ? c.N : pick({1, 5, 31, 127, 128, 129, 150, 257});
+  c.D = pick({1, 3, 8, 16, 33, 64});
+  c.Dv = std::uniform_int_distribution<int>(0, 3)(random) == 0 ? pick({1, 5, 16}) : c.D;
+  c.causal = std::uniform_int_distribution<int>(0, 2)(random) == 0;
+  c.mask = std::vector<std::string>{"none", "key_lengths", "key_mask", "bool", "float", "dead_rows"}
+      [std::uniform_int_distribution<size_t>(0, 5)(random)];
+  if (std::uniform_int_distribution<int>(0, 4)(random) == 0) c.scale = 0.37;
+  return c;
+}
+
+qkv::ScaledDotProductAttentionOptions options_for(const Config& c, std::mt19937& random) {
+  auto options = qkv::ScaledDotProductAttentionOptions().causal(c.causal).scale(c.scale).enable_gqa(c.H != c.Hkv);
+  std::bernoulli_distribution coin(0.7);
+  if (c.mask == "key_lengths") {
+    std::vector<int64_t> lengths;
+    for (int64_t b = 0; b < c.B; ++b) lengths.push_back(std::uniform_int_distribution<int64_t>(0, c.S)(random));
+    options.key_lengths(torch::tensor(lengths, torch::kLong));
+  } else if (c.mask == "key_mask") {
+    auto mask = torch::rand({c.B, 1, 1, c.S}) < 0.7;
+    options.mask(mask);
+  } else if (c.mask == "bool" || c.mask == "dead_rows") {
+    auto mask = torch::rand({c.B, c.H, c.N, c.S}) < 0.6;
+    if (c.mask == "dead_rows") mask.select(2, c.N / 2).fill_(false);  // a query with no key in every head
+    options.mask(mask);
+  } else if (c.mask == "float") {
+    auto mask = torch::randn({c.N, c.S});  // broadcast over B and H
+    mask.masked_fill_(torch::rand({c.N, c.S}) < 0.2, -std::numeric_limits<float>::infinity());
+    options.mask(mask);
+  }
+  return options;
+}
+
+struct Outcome {
+  torch::Tensor output, grad_q, grad_k, grad_v;
+};
+
+Outcome run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& upstream,
+            qkv::ScaledDotProductAttentionOptions options, AttentionBackend backend) {
+  auto q_ = q.clone().requires_grad_(true), k_ = k.clone().requires_grad_(true), v_ = v.clone().requires_grad_(true);
+  auto result = qkv::scaled_dot_product_attention(q_, k_, v_, options.backend(backend));
+  EXPECT_EQ(result.backend, backend);
+  (result.output * upstream).sum().backward();
+  return {result.output.detach(), q_.grad(), k_.grad(), v_.grad()};
+}
+
+void expect_same(const Outcome& actual, const Outcome& expected, double tolerance, const std::string& what) {
+  double scale = 0;
+  for (const auto* t : {&expected.grad_q, &expected.grad_k, &expected.grad_v}) scale = std::max(scale, qkv_test::max_abs(*t));
+  EXPECT_TRUE(actual.output.isfinite().all().item<bool>()) << what;
+  EXPECT_TRUE(qkv_test::tensors_close(actual.output, expected.output, tolerance)) << what << ": output";
+  EXPECT_TRUE(qkv_test::tensors_close(actual.grad_q, expected.grad_q, tolerance, scale)) << what << ": dQ";
+  EXPECT_TRUE(qkv_test::tensors_close(actual.grad_k, expected.grad_k, tolerance, scale)) << what << ": dK";
+  EXPECT_TRUE(qkv_test::tensors_close(actual.grad_v, expected.grad_v, tolerance, scale)) << what << ": dV";
+}
+
+// ≥ 100 random configurations per dtype: outputs and every gradient equal the math path's
+// (float64 within 1e-10, float32 within 1e-5 relative to each tensor's size).
+TEST(Tiled, MatchesTheMathPathOverRandomConfigurations) {
+  std::mt19937 random(2026);
+  for (const auto dtype : {torch::kDouble, torch::kFloat}) {
+    const double tolerance = dtype == torch::kDouble ? 1e-10 : 1e-5;
+    int checked = 0;
+    for (int trial = 0; trial < 110; ++trial) {
+      const auto c = random_config(random);
+      torch::manual_seed(trial);
+      const auto q = torch::randn({c.B, c.H, c.N, c.D}, dtype);
+      const auto k = torch::randn({c.B, c.Hkv, c.S, c.D}, dtype);
+      const auto v = torch::randn({c.B, c.Hkv, c.S, c.Dv}, dtype);
+      const auto upstream = torch::randn({c.B, c.H, c.N, c.Dv}, dtype);
+      const auto options = options_for(c, random);
+      const auto expected = run(q, k, v, upstream, options, AttentionBackend::Math);
+      const auto actual = run(q, k, v, upstream, options, AttentionBackend::Tiled);
+      expect_same(actual, expected, tolerance, c.name() + " " + c10::toString(dtype));
+      ++checked;
+    }
+    EXPECT_GE(checked, 100);
+  }
+}
+
+TEST(Tiled, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
+  torch::manual_seed(3);
+  const auto q = torch::randn({1, 2, 70, 16}), k = torch::randn({1, 2, 140, 16}), v = torch::randn({1, 2, 140, 16});
+  auto mask = torch::ones({1, 2, 70, 140}, torch::kBool);
+  mask.select(2, 5).fill_(false);
+  const auto upstream = torch::randn({1, 2, 70, 16});
+  auto outcome = run(q, k, v, upstream, qkv::ScaledDotProductAttentionOptions().mask(mask), AttentionBackend::Tiled);
+  EXPECT_EQ(qkv_test::max_abs(outcome.output.select(2, 5)), 0.0);
+  EXPECT_EQ(qkv_test::max_abs(outcome.grad_q.select(2, 5)), 0.0);
+  EXPECT_TRUE(outcome.grad_k.isfinite().all().item<bool>());
+  // Every key of a sequence of length 0: all zero.
+  auto empty = run(q, k, v, upstream,
+                   qkv::ScaledDotProductAttentionOptions().key_lengths(torch::zeros({1}, torch::kLong)),
+                   AttentionBackend::Tiled);
+  EXPECT_EQ(qkv_test::max_abs(empty.output), 0.0);
+  EXPECT_EQ(qkv_test::max_abs(empty.grad_k), 0.0);
+  EXPECT_EQ(qkv_test::max_abs(empty.grad_v), 0.0);
+}
+
+TEST(Tiled, BFloat16MatchesFloat64Math) {
+  std::mt19937 random(7);
+  for (int trial = 0; trial < 12; ++trial) {
+    auto c = random_config(random);
+    torch::manual_seed(trial);
+    const auto q = torch::randn({c.B, c.H, c.N, c.D}).to(torch::kBFloat16);
+    const auto k = torch::randn({c.B, c.Hkv, c.S, c.D}).to(torch::kBFloat16);
+    const auto v = torch::randn({c.B, c.Hkv, c.S, c.Dv}).to(torch::kBFloat16);
+    const auto upstream = torch::randn({c.B, c.H, c.N, c.Dv}).to(torch::kBFloat16);
+    const auto options = options_for(c, random);
+    auto float64 = options;
+    if (float64.mask().defined() && float64.mask().is_floating_point()) float64.mask(float64.mask().to(torch::kDouble));
+    const auto expected = run(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                              upstream.to(torch::kDouble), float64, AttentionBackend::Math);
+    const auto actual = run(q, k, v, upstream, options, AttentionBackend::Tiled);
+    Outcome widened{actual.output.to(torch::kDouble), actual.grad_q.to(torch::kDouble), actual.grad_k.to(torch::kDouble),
+                    actual.grad_v.to(torch::kDouble)};
+    expect_same(widened, expected, qkv_test::tolerance_for(torch::kBFloat16, std::max({c.N, c.S, c.D})),
+                c.name() + " bfloat16");
+  }
+}
+
+// Central differences in float64 (kernel with GQA, causal N != S, a float mask, a custom scale).
+TEST(Tiled, GradientsMatchFiniteDifferences) {
+  torch::manual_seed(5);
+  const int64_t B = 1, H = 4, Hkv = 2, N = 5, S = 7, D = 3;
+  auto q = torch::randn({B, H, N, D}, torch::kDouble), k = torch::randn({B, Hkv, S, D}, torch::kDouble);
+  auto v = torch::randn({B, Hkv, S, D}, torch::kDouble);
+  auto mask = torch::randn({N, S}, torch::kDouble);
+  mask[2][0] = -std::numeric_limits<double>::infinity();
+  const auto upstream = torch::randn({B, H, N, D}, torch::kDouble);
+  const auto options = qkv::ScaledDotProductAttentionOptions().causal(true).mask(mask).scale(0.8).enable_gqa(true);
+  auto loss = [&](const torch::Tensor& q_, const torch::Tensor& k_, const torch::Tensor& v_) {
+    auto tiled = options;
+    return (qkv::scaled_dot_product_attention(q_, k_, v_, tiled.backend(AttentionBackend::Tiled)).output * upstream)
+        .sum();
+  };
+  const auto analytic = run(q, k, v, upstream, options, AttentionBackend::Tiled);
+  constexpr double kStep = 1e-6;
+  for (auto [tensor, grad, name] : {std::tuple{&q, analytic.grad_q, "q"}, std::tuple{&k, analytic.grad_k, "k"},
+                                    std::tuple{&v, analytic.grad_v, "v"}}) {
+    auto numeric = torch::zeros_like(*tensor);
+    auto flat = tensor->view(-1);
+    for (int64_t i = 0; i < flat.numel(); ++i) {
+      const double original = flat[i].item<double>();
+      flat[i] = original + kStep;
+      const double plus = loss(q, k, v).item<double>();
+      flat[i] = original - kStep;
+      const double minus = loss(q, k, v).item<double>();
+      flat[i] = original;
+      numeric.view(-1)[i] = (plus - minus) / (2 * kStep);
+    }
+    EXPECT_TRUE(qkv_test::tensors_close(grad, numeric, 1e-7, qkv_test::max_abs(analytic.grad_q))) << name;
+  }
+}
+
+// ---- Dropout inside the kernel ----
+
+TEST(TiledDropout, SameSeedSameResultAndTheKeptFractionIsOneMinusP) {
+  torch::manual_seed(8);
+  const auto q = torch::randn({2, 2, 100, 16}), k = torch::randn({2, 2, 150, 16}), v = torch::randn({2, 2, 150, 16});
+  const auto upstream = torch::randn({2, 2, 100, 16});
+  const auto options = qkv::ScaledDotProductAttentionOptions().dropout(0.3).training(true);
+  torch::manual_seed(9);
+  const auto first = run(q, k, v, upstream, options, AttentionBackend::Tiled);
+  torch::manual_seed(9);
+  const auto second = run(q, k, v, upstream, options, AttentionBackend::Tiled);
+  expect_same(second, first, 0.0, "the same seed twice");
+  const auto third = run(q, k, v, upstream, options, AttentionBackend::Tiled);  // the generator moved on
+  EXPECT_FALSE(qkv_test::tensors_close(third.output, first.output, 1e-3));
+
+  const double p = 0.3;
+  const auto keep = qkv::kernels::tiled_dropout_keep_mask(/*seed=*/12345, p, 4, 8, 300, 300);
+  const double n = static_cast<double>(keep.numel());
+  const double kept = keep.to(torch::kDouble).mean().item<double>();
+  const double standard_error = std::sqrt(p * (1 - p) / n);
+  EXPECT_NEAR(kept, 1 - p, 4 * standard_error) << "kept " << kept << " of " << n;
+}
+
+// With the kernel's own mask Z, the math of dropout is softmax(S) ⊙ Z / (1 - p) times V: the
+// kernel's output and gradients must be that, computed plainly in float64.
+TEST(TiledDropout, EqualsTheMathPathGivenTheKernelsMask) {
+  torch::manual_seed(10);
+  const int64_t B = 2, H = 4, Hkv = 2, N = 70, S = 130, D = 8;
+  const double p = 0.25;
+  const uint64_t seed = 0x1234567890ABCDEFULL;
+  const auto q = torch::randn({B, H, N, D}, torch::kDouble), k = torch::randn({B, Hkv, S, D}, torch::kDouble);
+  const auto v = torch::randn({B, Hkv, S, D}, torch::kDouble), upstream = torch::randn({B, H, N, D}, torch::kDouble);
+  const auto options =
+      qkv::ScaledDotProductAttentionOptions().dropout(p).training(true).causal(true).enable_gqa(true).backend(
+          AttentionBackend::Tiled);
+  auto tq = q.clone().requires_grad_(true), tk = k.clone().requires_grad_(true), tv = v.clone().requires_grad_(true);
+  auto tiled = qkv::kernels::tiled_attention_with_seed(tq, tk, tv, options, seed).output;
+  (tiled * upstream).sum().backward();
+
+  const auto keep = qkv::kernels::tiled_dropout_keep_mask(seed, p, B, H, N, S).to(torch::kDouble);
+  auto mq = q.clone().requires_grad_(true), mk = k.clone().requires_grad_(true), mv = v.clone().requires_grad_(true);
+  const auto weights = qkv::scaled_dot_product_attention(mq, mk, mv,
+                                                         qkv::ScaledDotProductAttentionOptions()
+                                                             .causal(true)
+                                                             .enable_gqa(true)
+                                                             .need_weights(true)
+                                                             .backend(AttentionBackend::Math))
+                           .weights;  // (B, H, N, S)
+  const auto values = mv.repeat_interleave(H / Hkv, 1);
+  const auto expected = torch::matmul(weights * keep / (1 - p), values);
+  (expected * upstream).sum().backward();
+  const Outcome actual{tiled.detach(), tq.grad(), tk.grad(), tv.grad()};
+  const Outcome reference{expected.detach(), mq.grad(), mk.grad(), mv.grad()};
+  expect_same(actual, reference, 1e-10, "dropout with the kernel's mask");
+}
+
+// ---- The PyTorch fixtures and the module, with the tiled backend forced ----
+
+TEST(Tiled, ParityFixturesWithTheTiledBackend) {
+  for (const std::string name : {"documents", "multihead", "multihead_f64", "causal", "padded", "cross", "out_proj",
+                                 "bool_mask", "float_mask", "unscaled", "no_bias_causal_f64", "gqa_h8_kv2",
+                                 "rope_gqa_causal_f64"}) {
+    const qkv_test::Fixture fixture(name);
+    auto module = fixture.make_module();
+    module->options.backend(AttentionBackend::Tiled);
+    auto query = fixture.tensor("input.query").clone().requires_grad_(true);
+    torch::Tensor context;
+    if (fixture.has("input.context")) context = fixture.tensor("input.context");
+    const auto result = module->attend(query, context.defined() ? context : query, context.defined() ? context : query,
+                                       fixture.mask());
+    EXPECT_EQ(result.backend, AttentionBackend::Tiled) << name;
+    const double tolerance = qkv_test::tolerance_for(query.scalar_type(), query.size(-2) * query.size(-1));
+    EXPECT_TRUE(qkv_test::tensors_close(result.output, fixture.tensor("expected.output"), tolerance)) << name;
+    torch::mse_loss(result.output, fixture.tensor("target")).backward();
+    double scale = qkv_test::max_abs(query.grad());
+    for (const auto& p : module->parameters()) scale = std::max(scale, qkv_test::max_abs(p.grad()));
+    EXPECT_TRUE(qkv_test::tensors_close(query.grad(), fixture.tensor("grad.query"), tolerance, scale)) << name;
+    for (const auto& item : module->named_parameters()) {
+      EXPECT_TRUE(qkv_test::tensors_close(item.value().grad(), fixture.tensor("grad." + item.key()), tolerance, scale))
+          << name << " " << item.key();
+    }
+  }
+}
+
+TEST(Tiled, RefusesWhatItCannotDo) {
+  const auto q = torch::randn({1, 1, 4, 8});
+  EXPECT_THAT([&] {
+    qkv::scaled_dot_product_attention(q, q, q,
+                                      qkv::ScaledDotProductAttentionOptions().backend(AttentionBackend::Tiled).need_weights(true));
+  },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("tiled backend cannot return the attention weights")));
+  EXPECT_THAT([&] {
+    const auto ints = torch::ones({1, 1, 4, 8}, torch::kHalf);
+    qkv::scaled_dot_product_attention(ints, ints, ints,
+                                      qkv::ScaledDotProductAttentionOptions().backend(AttentionBackend::Tiled));
+  },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("float32, float64 or bfloat16, got Half")));
+}
+
+}  // namespace
