@@ -5,6 +5,9 @@ For each case every PyTorch implementation the installed torch has is timed:
              the same three Linear maps, the same matmul-softmax-matmul per head);
   sdpa       the same module with F.scaled_dot_product_attention (torch >= 2.0).
 Core cases time the attention alone: "documents" = softmax(q kᵀ / √d) v, "sdpa" = F.sdpa.
+Decoding cases (decode_step, prefill) time the same decoder block as qkv's TransformerBlock with a
+KV cache of its own (preallocated tensors, written in place), as a PyTorch user would write it.
+sgemm times one float32 matrix product (torch.mm), the machine's rate.
 
 Timing follows Google Benchmark's protocol in qkv-bench: 3 warm-up iterations, then repetitions
 of as many iterations as fill --min-time seconds; per repetition the mean time per iteration.
@@ -51,19 +54,107 @@ class SelfAttention(nn.Module):
         return out.transpose(-3, -2).reshape(*lead, n, e)
 
 
-def attention(q, k, v, causal, use_sdpa):
+def attention(q, k, v, causal, use_sdpa, dropout=0.0):
+    groups = q.size(-3) // k.size(-3)
+    if groups > 1:  # grouped-query heads: each key/value head serves `groups` query heads
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     if use_sdpa:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
     scores = q @ k.transpose(-2, -1) / (k.size(-1) ** 0.5)
     if causal:
         n = q.size(-2)
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
-    return F.softmax(scores, dim=-1) @ v
+    return F.dropout(F.softmax(scores, dim=-1), dropout) @ v
+
+
+def rope(x, offset, base=10000.0):
+    """Rotary positions, half-split, for x (B, H, T, D) at positions offset .. offset + T - 1."""
+    d = x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    freqs = torch.outer(torch.arange(offset, offset + x.shape[-2], dtype=torch.float32, device=x.device), inv_freq)
+    cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderBlock(nn.Module):
+    """qkv::TransformerBlock's computation (pre-norm, GQA, RoPE, causal, GELU MLP) with a KV cache."""
+
+    def __init__(self, d_model, heads, kv_heads, capacity, use_sdpa):
+        super().__init__()
+        self.H, self.Hkv, self.D, self.use_sdpa = heads, kv_heads, d_model // heads, use_sdpa
+        self.ln_1, self.ln_2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.W_q = nn.Linear(d_model, d_model)
+        self.W_k = nn.Linear(d_model, kv_heads * self.D)
+        self.W_v = nn.Linear(d_model, kv_heads * self.D)
+        self.W_o = nn.Linear(d_model, d_model)
+        self.mlp_fc, self.mlp_proj = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+        self.capacity = capacity
+
+    def new_cache(self, batch, dtype, device):
+        shape = (batch, self.Hkv, self.capacity, self.D)
+        return {"k": torch.zeros(shape, dtype=dtype, device=device), "v": torch.zeros(shape, dtype=dtype, device=device),
+                "length": 0}
+
+    def forward(self, x, cache):
+        B, T, E = x.shape
+        L = cache["length"]
+        h = self.ln_1(x)
+        q = rope(self.W_q(h).view(B, T, self.H, self.D).transpose(1, 2), L)
+        k = rope(self.W_k(h).view(B, T, self.Hkv, self.D).transpose(1, 2), L)
+        v = self.W_v(h).view(B, T, self.Hkv, self.D).transpose(1, 2)
+        cache["k"][:, :, L:L + T] = k
+        cache["v"][:, :, L:L + T] = v
+        cache["length"] = L + T
+        keys, values = cache["k"][:, :, :L + T], cache["v"][:, :, :L + T]
+        groups = self.H // self.Hkv
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        if T == 1:  # one new position sees every cached one
+            out = F.scaled_dot_product_attention(q, keys, values) if self.use_sdpa else \
+                F.softmax(q @ keys.transpose(-2, -1) / self.D ** 0.5, dim=-1) @ values
+        else:
+            positions = torch.arange(L + T, device=x.device)
+            allowed = positions.unsqueeze(0) <= positions[L:].unsqueeze(1)  # (T, L + T)
+            if self.use_sdpa:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+            else:
+                scores = (q @ keys.transpose(-2, -1) / self.D ** 0.5).masked_fill(~allowed, float("-inf"))
+                out = F.softmax(scores, dim=-1) @ values
+        x = x + self.W_o(out.transpose(1, 2).reshape(B, T, E))
+        return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x))))
+
+
+def make_decoding(case, impl, device, dtype):
+    batch = max(case["batch"], 1)
+    block = DecoderBlock(case["d_model"], case["heads"], case.get("kv_heads", case["heads"]), case["seq_len"] + 1,
+                         impl == "sdpa").to(device=device, dtype=dtype).eval()
+    cache = block.new_cache(batch, dtype, device)
+    prompt = torch.randn(batch, case["seq_len"], case["d_model"], device=device, dtype=dtype)
+    token = torch.randn(batch, 1, case["d_model"], device=device, dtype=dtype)
+    if case["kind"] == "prefill":
+        def prefill():
+            with torch.no_grad():
+                cache["length"] = 0
+                block(prompt, cache)
+        return prefill
+    with torch.no_grad():
+        block(prompt, cache)
+
+    def decode_step():
+        with torch.no_grad():
+            block(token, cache)
+            cache["length"] = case["seq_len"]  # forget the new position again
+    return decode_step
 
 
 def flop_count(case):
     """As qkv-bench's flop_count (FlashAttention's papers' convention)."""
+    if case["kind"] == "sgemm":
+        return 2.0 * case["seq_len"] ** 3
+    if case["kind"] in ("decode_step", "prefill"):
+        return 0.0
     batch = max(case["batch"], 1)
     n, h = case["seq_len"], case.get("heads", 1)
     d = case.get("head_dim", case.get("d_model", 0) // h)
@@ -80,12 +171,21 @@ def make_iteration(case, impl, device):
     torch.manual_seed(0)
     dtype = getattr(torch, case["dtype"])
     use_sdpa = impl == "sdpa"
+    if case["kind"] == "sgemm":
+        a = torch.randn(case["seq_len"], case["seq_len"], device=device, dtype=dtype)
+        b = torch.randn(case["seq_len"], case["seq_len"], device=device, dtype=dtype)
+        return lambda: torch.mm(a, b)
+    if case["kind"] in ("decode_step", "prefill"):
+        return make_decoding(case, impl, device, dtype)
     backward = case["kind"] not in ("module_forward", "core_forward")
     if case["kind"].startswith("core_"):
-        shape = (max(case["batch"], 1), case["heads"], case["seq_len"], case["head_dim"])
-        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(3))
+        batch = max(case["batch"], 1)
+        shape = (batch, case["heads"], case["seq_len"], case["head_dim"])
+        kv_shape = (batch, case.get("kv_heads", case["heads"]), case["seq_len"], case["head_dim"])
+        q = torch.randn(shape, device=device, dtype=dtype, requires_grad=backward)
+        k, v = (torch.randn(kv_shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(2))
         grad_output = torch.randn(shape, device=device, dtype=dtype)
-        causal = case.get("causal", False)
+        causal, dropout = case.get("causal", False), case.get("dropout", 0.0)
 
         def core():
             if not backward:
@@ -93,7 +193,7 @@ def make_iteration(case, impl, device):
                     attention(q, k, v, causal, use_sdpa)
                 return
             q.grad = k.grad = v.grad = None
-            attention(q, k, v, causal, use_sdpa).backward(grad_output)
+            attention(q, k, v, causal, use_sdpa, dropout).backward(grad_output)
 
         return core
 
@@ -127,7 +227,7 @@ def time_case(case, impl, device, min_time, repetitions):
     iteration = make_iteration(case, impl, device)
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(3):
+    for _ in range(case.get("warmup", 3)):
         iteration()
     sync()
     if cuda:
@@ -177,6 +277,8 @@ def main():
         sys.exit(f"bench_pytorch.py: case {args.case} is a {case['device']} case, not {args.device}")
     device = "cuda" if args.device == "cuda" else "cpu"
     available = ["documents", "sdpa"] if HAS_SDPA else ["documents"]
+    if case["kind"] == "sgemm":
+        available = ["documents"]  # one product: the implementation is torch.mm either way
     impls = [i for i in (args.impl or case.get("pytorch_impls", available)) if i in available]
     if not impls:
         sys.exit(f"bench_pytorch.py: torch {torch.__version__} has none of {case.get('pytorch_impls')} for {args.case}")

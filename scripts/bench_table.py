@@ -39,18 +39,61 @@ def cpu_model():
 
 
 def shape_of(case):
+    if case["kind"] == "sgemm":
+        return f"{case['seq_len']}x{case['seq_len']} {case['dtype']}"
     if case["kind"].startswith("core_"):
         text = f"B={case['batch']} H={case['heads']} N={case['seq_len']} D={case['head_dim']}"
+        if case.get("kv_heads", case["heads"]) != case["heads"]:
+            text += f" Hkv={case['kv_heads']}"
     else:
         batch = f"B={case['batch']} " if case["batch"] else ""
-        text = f"{batch}N={case['seq_len']} E={case['d_model']} H={case.get('heads', 1)}"
+        length = "cache" if case["kind"] == "decode_step" else "N"
+        text = f"{batch}{length}={case['seq_len']} E={case['d_model']} H={case.get('heads', 1)}"
+        if case.get("kv_heads", case.get("heads", 1)) != case.get("heads", 1):
+            text += f" Hkv={case['kv_heads']}"
     if case.get("causal"):
         text += " causal"
+    if case.get("dropout"):
+        text += f" dropout {case['dropout']:g}"
     return text + " " + case["dtype"]
 
 
 def human_bytes(value):
     return f"{value / 2**20:.0f} MiB" if value else "-"
+
+
+def read_qkv(raw, name):
+    ms, flops, peak, above = [], [], [], []
+    context = {}
+    for path in sorted(glob.glob(os.path.join(raw, f"qkv-{name}-*.json"))):
+        with open(path) as file:
+            report = json.load(file)
+        context = report["context"]
+        entry = report["benchmarks"][0]
+        if entry.get("error_occurred"):
+            raise SystemExit(f"qkv-bench failed on {name}: {entry.get('error_message')}")
+        scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[entry["time_unit"]]
+        ms.append(entry["real_time"] * scale)
+        flops.append(entry["FLOPS"])
+        peak.append(entry["peak_memory_bytes"])
+        above.append(entry.get("peak_above_baseline_bytes", 0.0))
+    return ms, flops, peak, above, context
+
+
+def read_pytorch(raw, side, name):
+    """{impl: {"ms": [...], "flops": [...], "peak": [...]}} and the side's versions."""
+    results, context = {}, {}
+    for path in sorted(glob.glob(os.path.join(raw, f"pytorch@{side}-{name}-*.json")),
+                       key=lambda p: int(p.rsplit("-", 1)[1].split(".")[0])):
+        with open(path) as file:
+            report = json.load(file)
+        context = {k: report[k] for k in ("torch_version", "threads", "python")}
+        for result in report["results"]:
+            entry = results.setdefault(result["impl"], {"ms": [], "flops": [], "peak": []})
+            entry["ms"].append(result["median_s"] * 1e3)
+            entry["flops"].append(result["flops_per_s"])
+            entry["peak"].append(result["peak_memory_bytes"])
+    return results, context
 
 
 def main():
@@ -62,87 +105,80 @@ def main():
     args = parser.parse_args()
     with open(os.path.join(ROOT, "apps", "qkv-bench", "cases.json")) as file:
         cases = {c["name"]: c for c in json.load(file)["cases"]}
+    sides = sorted({os.path.basename(p)[len("pytorch@"):].split("-", 1)[0]
+                    for p in glob.glob(os.path.join(args.raw, "pytorch@*.json"))},
+                   key=lambda side: (side != "host", side))
 
-    rows, context = [], {}
+    rows, context, side_versions = [], {}, {}
     names = sorted({os.path.basename(p)[4:].rsplit("-", 1)[0] for p in glob.glob(os.path.join(args.raw, "qkv-*.json"))},
                    key=list(cases).index)
     for name in names:
         case = cases[name]
-        qkv_ms, qkv_flops, qkv_peak = [], [], []
-        for path in sorted(glob.glob(os.path.join(args.raw, f"qkv-{name}-*.json"))):
-            with open(path) as file:
-                report = json.load(file)
-            context = report["context"]
-            entry = report["benchmarks"][0]
-            if entry.get("error_occurred"):
-                raise SystemExit(f"qkv-bench failed on {name}: {entry.get('error_message')}")
-            scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[entry["time_unit"]]
-            qkv_ms.append(entry["real_time"] * scale)
-            qkv_flops.append(entry["FLOPS"])
-            qkv_peak.append(entry["peak_memory_bytes"])
-        pytorch = {}
-        for path in sorted(glob.glob(os.path.join(args.raw, f"pytorch-{name}-*.json"))):
-            with open(path) as file:
-                report = json.load(file)
-            torch_context = {k: report[k] for k in ("torch_version", "threads", "python")}
-            for result in report["results"]:
-                entry = pytorch.setdefault(result["impl"], {"ms": [], "flops": [], "peak": []})
-                entry["ms"].append(result["median_s"] * 1e3)
-                entry["flops"].append(result["flops_per_s"])
-                entry["peak"].append(result["peak_memory_bytes"])
-        best_impl = min(pytorch, key=lambda impl: statistics.median(pytorch[impl]["ms"]))
-        best = pytorch[best_impl]
-        row = {
-            "case": name, "shape": shape_of(case), "kind": case["kind"],
-            "qkv_ms": statistics.median(qkv_ms), "qkv_ms_rounds": qkv_ms,
-            "qkv_flops_per_s": statistics.median(qkv_flops), "qkv_peak_memory_bytes": max(qkv_peak),
-            "pytorch_impl": best_impl, "pytorch_ms": statistics.median(best["ms"]),
-            "pytorch_ms_rounds": best["ms"], "pytorch_flops_per_s": statistics.median(best["flops"]),
-            "pytorch_peak_memory_bytes": max(best["peak"]),
-            "pytorch_all": {impl: {"ms_rounds": v["ms"], "peak_memory_bytes": max(v["peak"])} for impl, v in pytorch.items()},
-            "goal": case.get("goal"), "memory_goal": case.get("memory_goal"),
-        }
-        # Round i of each side ran back to back: the ratio of each round pair cancels the drift of a
-        # shared machine's speed better than the ratio of the two medians.
-        pairs = [p / q for q, p in zip(qkv_ms, best["ms"])]
-        row["ratio_rounds"] = pairs
-        row["ratio"] = statistics.median(pairs)
-        row["memory_ratio"] = (row["qkv_peak_memory_bytes"] / row["pytorch_peak_memory_bytes"]
-                               if row["pytorch_peak_memory_bytes"] else None)
-        if row["goal"] is not None:
-            row["goal_met"] = row["ratio"] >= row["goal"]
-        if row["memory_goal"] is not None:
-            row["memory_goal_met"] = row["memory_ratio"] is not None and row["memory_ratio"] <= row["memory_goal"]
+        qkv_ms, qkv_flops, qkv_peak, qkv_above, context = read_qkv(args.raw, name)
+        row = {"case": name, "shape": shape_of(case), "kind": case["kind"], "qkv_ms": statistics.median(qkv_ms),
+               "qkv_ms_rounds": qkv_ms, "qkv_flops_per_s": statistics.median(qkv_flops),
+               "qkv_peak_memory_bytes": max(qkv_peak), "qkv_peak_above_baseline_bytes": max(qkv_above),
+               "goal": case.get("goal"), "memory_goal": case.get("memory_goal"), "pytorch": {}}
+        for side in sides:
+            results, versions = read_pytorch(args.raw, side, name)
+            if not results:
+                continue
+            side_versions[side] = versions
+            best_impl = min(results, key=lambda impl: statistics.median(results[impl]["ms"]))
+            best = results[best_impl]
+            # Round i of each side ran back to back: the ratio of each round pair cancels the drift
+            # of a shared machine's speed better than the ratio of the two medians.
+            pairs = [p / q for q, p in zip(qkv_ms, best["ms"])]
+            entry = {"torch_version": versions["torch_version"], "impl": best_impl, "ms": statistics.median(best["ms"]),
+                     "ms_rounds": best["ms"], "flops_per_s": statistics.median(best["flops"]),
+                     "peak_memory_bytes": max(best["peak"]), "ratio_rounds": pairs, "ratio": statistics.median(pairs),
+                     "all": {impl: {"ms_rounds": v["ms"], "peak_memory_bytes": max(v["peak"])}
+                             for impl, v in results.items()}}
+            if row["goal"] is not None:
+                entry["goal_met"] = entry["ratio"] >= row["goal"]
+            if row["memory_goal"] is not None:
+                entry["memory_ratio"] = row["qkv_peak_memory_bytes"] / entry["peak_memory_bytes"]
+                entry["memory_goal_met"] = entry["memory_ratio"] <= row["memory_goal"]
+            row["pytorch"][side] = entry
         rows.append(row)
 
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": args.device, "threads": args.threads, "cpu": cpu_model(), "cores": os.cpu_count(),
-        "blas": blas_library(), "libtorch_cpp": context.get("torch_version"), "pytorch": torch_context,
+        "blas": blas_library(), "libtorch_cpp": context.get("torch_version"), "pytorch": side_versions,
         "google_benchmark": {k: context.get(k) for k in ("library_version", "library_build_type", "num_cpus", "mhz_per_cpu")},
         "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else None,
     }
     with open(args.out, "w") as file:
         json.dump({"meta": meta, "rows": rows}, file, indent=2)
 
+    described = ", ".join(f"{side}: PyTorch {v['torch_version']} (Python {v['python']})" for side, v in side_versions.items())
     print(f"qkv vs PyTorch on {args.device}: {meta['date']}, {meta['cpu']} ({meta['cores']} cores), "
-          f"{args.threads} threads, BLAS {meta['blas']}, LibTorch {meta['libtorch_cpp']} (C++), "
-          f"PyTorch {torch_context['torch_version']} (Python {torch_context['python']})"
+          f"{args.threads} threads, BLAS {meta['blas']}, LibTorch {meta['libtorch_cpp']} (C++); {described}"
           + (f", GPU {meta['gpu']}" if meta["gpu"] else ""))
-    print("times: median over rounds; ratio: median over rounds of PyTorch time / qkv time (above 1: qkv faster); "
-          "memory: peak "
-          + ("allocated on the GPU" if args.device == "cuda" else "resident set of the process"))
-    header = ["case", "shape", "qkv ms", "PyTorch ms", "PyTorch impl", "ratio", "goal", "qkv GFLOP/s",
-              "PyTorch GFLOP/s", "qkv peak", "PyTorch peak"]
+    print("times: median over rounds; ratio: median over rounds of PyTorch time / qkv time (above 1: qkv faster), "
+          "against the fastest PyTorch implementation; memory: peak "
+          + ("allocated on the GPU" if args.device == "cuda" else "resident set of the process (qkv: also above its "
+             "baseline before the case's tensors)"))
+    header = ["case", "shape", "qkv ms", "qkv GFLOP/s"]
+    for side in side_versions:
+        header += [f"PyTorch {side_versions[side]['torch_version']} ms (impl)", "ratio"]
+    header += ["goal", "qkv peak (above baseline)"]
     lines = [header]
     for r in rows:
-        goal = "" if r["goal"] is None else f"≥{r['goal']:g}× {'met' if r['goal_met'] else 'MISSED'}"
-        if r["memory_goal"] is not None:
-            goal += f" mem ≤{r['memory_goal']:g}× {'met' if r['memory_goal_met'] else 'MISSED'}"
-        lines.append([r["case"], r["shape"], f"{r['qkv_ms']:.4g}", f"{r['pytorch_ms']:.4g}", r["pytorch_impl"],
-                      f"{r['ratio']:.2f}", goal.strip(), f"{r['qkv_flops_per_s'] / 1e9:.3g}",
-                      f"{r['pytorch_flops_per_s'] / 1e9:.3g}", human_bytes(r["qkv_peak_memory_bytes"]),
-                      human_bytes(r["pytorch_peak_memory_bytes"])])
+        line = [r["case"], r["shape"], f"{r['qkv_ms']:.4g}", f"{r['qkv_flops_per_s'] / 1e9:.3g}"]
+        goals = []
+        for side in side_versions:
+            entry = r["pytorch"].get(side)
+            if entry is None:
+                line += ["-", "-"]
+                continue
+            line += [f"{entry['ms']:.4g} ({entry['impl']})", f"{entry['ratio']:.2f}"]
+            if r["goal"] is not None:
+                goals.append(f"{side} {'met' if entry['goal_met'] else 'missed'}")
+        line.append((f"≥{r['goal']:g}×: " + ", ".join(goals)) if r["goal"] is not None else "")
+        line.append(f"{human_bytes(r['qkv_peak_memory_bytes'])} ({human_bytes(r['qkv_peak_above_baseline_bytes'])})")
+        lines.append(line)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
     print("| " + " | ".join("-" * w for w in widths) + " |")

@@ -29,6 +29,7 @@ packages=(
   python3-torch           # the release's PyTorch under /usr/bin/python3, the reference the tests compare with
   iproute2                # ip netns / veth: the two-host data-parallel test
   strace                  # the durable-writes test watches fsync and rename
+  debootstrap             # scripts/test-in-debian.sh: the suite on other Debian releases (CI: Debian 13)
   dict-devil zlib1g-dev   # The Devil's Dictionary (gzip-compressed dictd format): qkv-train --task lm's default text
 )
 

@@ -53,11 +53,20 @@ if [[ ! -x "$chroot_dir/usr/bin/apt-get" ]]; then
   echo 'Acquire::Check-Valid-Until "false";' | "${sudo[@]}" tee "$chroot_dir/etc/apt/apt.conf.d/99qkv-no-valid-until" > /dev/null
 fi
 "${sudo[@]}" cp /etc/resolv.conf "$chroot_dir/etc/resolv.conf"
+if mountpoint -q "$chroot_dir/qkv" 2> /dev/null; then
+  echo "test-in-debian: another session is using $chroot_dir (/qkv is mounted); wait for it to end" >&2
+  exit 1
+fi
 
 # Mounts, undone on every exit.
 mounted=()
 cleanup() {
-  local i
+  local i target
+  # Mounts made inside the chroot (ip netns binds /run/netns there) first, then ours.
+  while read -r target; do
+    [[ "$target" == "$chroot_dir"/* ]] && ! printf '%s\n' "${mounted[@]}" | grep -qx "$target" &&
+      "${sudo[@]}" umount -l "$target" 2> /dev/null
+  done < <(findmnt -rn -o TARGET | sort -r)
   for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do "${sudo[@]}" umount -l "${mounted[i]}" 2> /dev/null || true; done
 }
 trap cleanup EXIT
@@ -66,6 +75,10 @@ bind() {
   "${sudo[@]}" mount --bind "$1" "$chroot_dir$2"
   mounted+=("$chroot_dir$2")
 }
+# The chroot's root as a mount point of its own: `ip netns exec` (the two-host test) remounts / as
+# a slave, which fails on a plain directory.
+"${sudo[@]}" mount --bind "$chroot_dir" "$chroot_dir"
+mounted+=("$chroot_dir")
 bind /proc /proc
 bind /sys /sys
 bind /dev /dev

@@ -16,6 +16,12 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
   values_ = torch::zeros({batch, kv_heads, capacity, value_dim}, options.requires_grad(false));
 }
 
+void KVCache::truncate(int64_t length) {
+  TORCH_CHECK(length >= 0 && length <= length_, "KVCache::truncate: expected a length in [0, ", length_,
+              "] (the positions held), got ", length);
+  length_ = length;
+}
+
 torch::Tensor KVCache::keys() const { return keys_.narrow(/*dim=*/2, 0, length_); }
 
 torch::Tensor KVCache::values() const { return values_.narrow(/*dim=*/2, 0, length_); }

@@ -6,22 +6,34 @@
 
 namespace qkv::detail {
 
-torch::Tensor apply_rope(const torch::Tensor& x, int64_t offset, double base) {
-  const int64_t num_positions = x.size(-2);
-  const int64_t half = x.size(-1) / 2;
-  const auto f64 = torch::TensorOptions(torch::kDouble).device(x.device());
+namespace {
+
+bool half_precision(torch::ScalarType dtype) { return dtype == torch::kHalf || dtype == torch::kBFloat16; }
+
+}  // namespace
+
+RopeTable rope_table(int64_t offset, int64_t positions, int64_t head_dim, double base, torch::ScalarType dtype,
+                     const torch::Device& device) {
+  const int64_t half = head_dim / 2;
+  const auto f64 = torch::TensorOptions(torch::kDouble).device(device);
   const auto frequencies = torch::pow(base, -torch::arange(half, f64) * (2.0 / static_cast<double>(2 * half)));
-  const auto positions = torch::arange(offset, offset + num_positions, f64);
-  const auto angles = positions.unsqueeze(1) * frequencies.unsqueeze(0);  // (N, D/2)
-  const bool half_precision = x.scalar_type() == torch::kHalf || x.scalar_type() == torch::kBFloat16;
-  const auto table_dtype = half_precision ? torch::kFloat : x.scalar_type();
-  const auto cos = angles.cos().to(table_dtype);  // (N, D/2)
-  const auto sin = angles.sin().to(table_dtype);
-  const auto input = half_precision ? x.to(torch::kFloat) : x;
+  const auto angles = torch::arange(offset, offset + positions, f64).unsqueeze(1) * frequencies.unsqueeze(0);  // (P, D/2)
+  const auto table_dtype = half_precision(dtype) ? torch::kFloat : dtype;
+  return {angles.cos().to(table_dtype), angles.sin().to(table_dtype)};
+}
+
+torch::Tensor apply_rope(const torch::Tensor& x, const RopeTable& table) {
+  const int64_t half = x.size(-1) / 2;
+  const bool reduced = half_precision(x.scalar_type());
+  const auto input = reduced ? x.to(torch::kFloat) : x;
   const auto x1 = input.narrow(-1, 0, half);     // (..., N, D/2)
   const auto x2 = input.narrow(-1, half, half);  // (..., N, D/2)
-  auto rotated = torch::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, /*dim=*/-1);  // (..., N, D)
-  return half_precision ? rotated.to(x.scalar_type()) : rotated;
+  auto rotated = torch::cat({x1 * table.cos - x2 * table.sin, x2 * table.cos + x1 * table.sin}, /*dim=*/-1);
+  return reduced ? rotated.to(x.scalar_type()) : rotated;  // (..., N, D)
+}
+
+torch::Tensor apply_rope(const torch::Tensor& x, int64_t offset, double base) {
+  return apply_rope(x, rope_table(offset, x.size(-2), x.size(-1), base, x.scalar_type(), x.device()));
 }
 
 }  // namespace qkv::detail

@@ -197,8 +197,11 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   auto k = split_heads(W_k(k_in), Hkv);  // (B, Hkv, S, D)
   auto v = split_heads(W_v(v_in), Hkv);  // (B, Hkv, S, D)
   if (options.rope()) {
-    q = detail::apply_rope(q, /*offset=*/0, options.rope_base());  // (B, H, N, D)
-    k = detail::apply_rope(k, /*offset=*/0, options.rope_base());  // (B, Hkv, S, D)
+    const auto D = q.size(-1);
+    const auto queries = detail::rope_table(0, N, D, options.rope_base(), q.scalar_type(), q.device());
+    q = detail::apply_rope(q, queries);  // (B, H, N, D)
+    k = detail::apply_rope(k, S == N ? queries : detail::rope_table(0, S, D, options.rope_base(), k.scalar_type(),
+                                                                     k.device()));  // (B, Hkv, S, D)
   }
 
   detail::MaskTarget target;
@@ -244,7 +247,13 @@ AttentionBackend SelfAttentionImpl::backend_for(const torch::Tensor& query, cons
 
 KVCache SelfAttentionImpl::make_cache(int64_t batch, int64_t capacity) const {
   const int64_t D = options.d_model() / options.num_heads();
-  return KVCache(batch, kv_heads_of(options), capacity, D, D, W_q->weight.options());
+  KVCache cache(batch, kv_heads_of(options), capacity, D, D, W_q->weight.options());
+  if (options.rope()) {
+    auto table = detail::rope_table(/*offset=*/0, capacity, D, options.rope_base(), W_q->weight.scalar_type(),
+                                    W_q->weight.device());
+    cache.rope_cos_ = std::move(table.cos), cache.rope_sin_ = std::move(table.sin);
+  }
+  return cache;
 }
 
 torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache) {
@@ -276,9 +285,13 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
   auto k = split_heads(W_k(x), Hkv);  // (B, Hkv, T, D)
   auto v = split_heads(W_v(x), Hkv);  // (B, Hkv, T, D)
   if (options.rope()) {
-    // The new positions are L .. L+T-1.
-    q = detail::apply_rope(q, /*offset=*/L, options.rope_base());
-    k = detail::apply_rope(k, /*offset=*/L, options.rope_base());
+    // The new positions are L .. L+T-1: their rows of the cache's tables (computed on the spot for
+    // a cache that another module made).
+    const auto table = cache.rope_cos_.defined()
+                           ? detail::RopeTable{cache.rope_cos_.narrow(0, L, T), cache.rope_sin_.narrow(0, L, T)}
+                           : detail::rope_table(L, T, D, options.rope_base(), q.scalar_type(), q.device());
+    q = detail::apply_rope(q, table);
+    k = detail::apply_rope(k, table);
   }
   const auto [keys, values] = cache.append(k, v);  // (B, Hkv, L+T, D)
 

@@ -89,9 +89,12 @@ StateDictLayout detect_layout(const std::map<std::string, torch::Tensor>& tensor
 
 namespace {
 
+}  // namespace
+
 // nn.MultiheadAttention's names onto SelfAttention's: in_proj_* is W_q, W_k, W_v stacked.
-std::map<std::string, torch::Tensor> from_multihead_layout(const std::map<std::string, torch::Tensor>& tensors,
-                                                           const std::string& source) {
+std::map<std::string, torch::Tensor> to_documents_layout(const std::map<std::string, torch::Tensor>& tensors,
+                                                         const std::string& source) {
+  if (detect_layout(tensors) != StateDictLayout::MultiheadAttention) return tensors;
   std::map<std::string, torch::Tensor> mapped;
   for (const auto& [key, tensor] : tensors) {
     if (key == "in_proj_weight" || key == "in_proj_bias") {
@@ -107,11 +110,13 @@ std::map<std::string, torch::Tensor> from_multihead_layout(const std::map<std::s
     } else if (key.rfind("out_proj.", 0) == 0) {
       mapped["W_o." + key.substr(9)] = tensor;
     } else {
-      mapped[key] = tensor;  // reported as unexpected below (bias_k / bias_v: add_bias_kv is not supported)
+      mapped[key] = tensor;  // reported as unexpected by load_state_dict (bias_k / bias_v: add_bias_kv is not supported)
     }
   }
   return mapped;
 }
+
+namespace {
 
 // Checks `tensors` against the module's parameters and copies them in only when everything fits.
 void load_checked(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
@@ -161,7 +166,7 @@ void load_state_dict(SelfAttention& module, const std::map<std::string, torch::T
                      const std::string& source) {
   const auto layout = detect_layout(tensors);
   if (layout == StateDictLayout::MultiheadAttention) {
-    load_checked(*module, from_multihead_layout(tensors, source), source, layout,
+    load_checked(*module, to_documents_layout(tensors, source), source, layout,
                  "(nn.MultiheadAttention weights need SelfAttentionOptions(E).num_heads(H).out_proj(true) and bias "
                  "matching the Python module's.)");
   } else {

@@ -37,8 +37,10 @@ namespace {
 
 struct Case {
   std::string name, device, kind, impl, dtype;
-  int64_t batch = 0, seq_len = 0, d_model = 0, heads = 1, head_dim = 0;
+  int64_t batch = 0, seq_len = 0, d_model = 0, heads = 1, head_dim = 0, kv_heads = 0;
   bool causal = false;
+  double dropout = 0.0;   // core cases: attention dropout while training
+  int64_t warmup = 3;     // iterations before timing (1 for the very long cases)
 };
 
 Case parse_case(const nlohmann::json& j) {
@@ -54,6 +56,9 @@ Case parse_case(const nlohmann::json& j) {
   c.heads = j.value("heads", int64_t{1});
   c.head_dim = j.value("head_dim", c.heads > 0 && c.d_model > 0 ? c.d_model / c.heads : int64_t{0});
   c.causal = j.value("causal", false);
+  c.kv_heads = j.value("kv_heads", c.heads);
+  c.dropout = j.value("dropout", 0.0);
+  c.warmup = j.value("warmup", int64_t{3});
   return c;
 }
 
@@ -65,12 +70,17 @@ qkv::AttentionBackend backend_of(const std::string& impl) {
 }
 
 bool is_core(const Case& c) { return c.kind.rfind("core_", 0) == 0; }
-bool has_backward(const Case& c) { return c.kind != "module_forward" && c.kind != "core_forward"; }
+bool has_backward(const Case& c) {
+  return c.kind != "module_forward" && c.kind != "core_forward" && c.kind != "decode_step" && c.kind != "prefill" &&
+         c.kind != "sgemm";
+}
 
 // FLOPs of one iteration, as FlashAttention's papers count them: attention forward 4·B·H·N²·D
 // (halved when causal), backward 2.5× forward; each projection 2·tokens·E_in·E_out forward and
 // twice that backward (the input's and the weight's gradients). Adam and the loss are not counted.
 double flop_count(const Case& c) {
+  if (c.kind == "sgemm") return 2.0 * static_cast<double>(c.seq_len) * c.seq_len * c.seq_len;
+  if (c.kind == "decode_step" || c.kind == "prefill") return 0.0;  // reported as time per token
   const double batch = static_cast<double>(std::max<int64_t>(c.batch, 1));
   const double n = static_cast<double>(c.seq_len), h = static_cast<double>(c.heads),
                d = static_cast<double>(c.head_dim);
@@ -83,19 +93,60 @@ double flop_count(const Case& c) {
   return attention + projections;
 }
 
+// Decoding with the KV cache: one qkv::TransformerBlock (causal, RoPE, grouped-query heads), the
+// cache filled to seq_len positions; an iteration decodes one more position and forgets it again
+// (decode_step), or fills an empty cache with a prompt of seq_len positions (prefill).
+std::function<void()> make_decoding(const Case& c, const torch::Device& device, const torch::TensorOptions& options) {
+  auto block = qkv::TransformerBlock(
+      qkv::TransformerBlockOptions(c.d_model, c.heads).num_kv_heads(c.kv_heads).rope(true).causal(true));
+  block->to(device, options.dtype().toScalarType());
+  block->eval();
+  const int64_t batch = std::max<int64_t>(c.batch, 1);
+  auto cache = std::make_shared<qkv::KVCache>(block->make_cache(batch, c.seq_len + 1));
+  const auto prompt = torch::randn({batch, c.seq_len, c.d_model}, options);
+  const auto token = torch::randn({batch, 1, c.d_model}, options);
+  if (c.kind == "prefill") {
+    return [=]() mutable {
+      torch::NoGradGuard no_grad;
+      cache->reset();
+      block->forward_with_cache(prompt, *cache);
+    };
+  }
+  {
+    torch::NoGradGuard no_grad;
+    block->forward_with_cache(prompt, *cache);
+  }
+  return [=]() mutable {
+    torch::NoGradGuard no_grad;
+    block->forward_with_cache(token, *cache);
+    cache->truncate(c.seq_len);
+  };
+}
+
 // One iteration of `c`, with everything it needs built once.
 std::function<void()> make_iteration(const Case& c, const torch::Device& device) {
   torch::manual_seed(0);
   const auto options = torch::TensorOptions().device(device).dtype(qkv_cli::dtype_from_name(c.dtype));
+  if (c.kind == "sgemm") {  // the machine's matrix-product rate, through LibTorch's BLAS
+    const auto a = torch::randn({c.seq_len, c.seq_len}, options), b = torch::randn({c.seq_len, c.seq_len}, options);
+    return [=]() { torch::mm(a, b); };
+  }
+  if (c.kind == "decode_step" || c.kind == "prefill") return make_decoding(c, device, options);
   if (is_core(c)) {
     // q, k, v: (B, H, N, D), as the attention core sees them inside the module.
     const std::vector<int64_t> shape{std::max<int64_t>(c.batch, 1), c.heads, c.seq_len, c.head_dim};
+    const std::vector<int64_t> kv_shape{std::max<int64_t>(c.batch, 1), c.kv_heads, c.seq_len, c.head_dim};
     const bool backward = has_backward(c);
     auto q = torch::randn(shape, options).requires_grad_(backward);
-    auto k = torch::randn(shape, options).requires_grad_(backward);
-    auto v = torch::randn(shape, options).requires_grad_(backward);
+    auto k = torch::randn(kv_shape, options).requires_grad_(backward);
+    auto v = torch::randn(kv_shape, options).requires_grad_(backward);
     auto grad_output = torch::randn(shape, options);
-    const auto core_options = qkv::ScaledDotProductAttentionOptions().causal(c.causal).backend(backend_of(c.impl));
+    const auto core_options = qkv::ScaledDotProductAttentionOptions()
+                                  .causal(c.causal)
+                                  .enable_gqa(c.kv_heads != c.heads)
+                                  .dropout(c.dropout)
+                                  .training(c.dropout > 0)
+                                  .backend(backend_of(c.impl));
     return [=]() mutable {
       auto out = qkv::scaled_dot_product_attention(q, k, v, core_options).output;
       if (backward) {
@@ -139,9 +190,10 @@ double peak_resident_bytes() {
 
 void run_case(benchmark::State& state, const Case& c, const torch::Device& device) {
   std::function<void()> iteration;
+  const double baseline = peak_resident_bytes();  // LibTorch loaded, nothing of the case allocated
   try {
     iteration = make_iteration(c, device);
-    for (int i = 0; i < 3; ++i) iteration();  // warm-up: allocator, kernels' first-call costs
+    for (int64_t i = 0; i < c.warmup; ++i) iteration();  // warm-up: allocator, kernels' first-call costs
     if (device.is_cuda()) torch::cuda::synchronize();
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());
@@ -170,6 +222,7 @@ void run_case(benchmark::State& state, const Case& c, const torch::Device& devic
   }
 #endif
   state.counters["peak_memory_bytes"] = peak;
+  if (!device.is_cuda()) state.counters["peak_above_baseline_bytes"] = peak - baseline;
   state.SetLabel(c.device + " " + c.dtype);
 }
 
@@ -183,10 +236,11 @@ int main(int argc, char** argv) {
   app.option_defaults()->always_capture_default();
   std::string device_name = "cpu";
   int threads = 0;
-  bool list = false;
+  bool list = false, list_all = false;
   app.add_option("--device", device_name, "Run the cases of this device")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--threads", threads, "CPU threads for LibTorch (0 = its default)")->check(CLI::Range(0, 1024));
   app.add_flag("--list", list, "Print the cases of --device, one per line, and exit");
+  app.add_flag("--all", list_all, "With --list: the optional cases too (long memory probes)");
   if (const auto exit_code = qkv_cli::parse(app, argc, argv)) return *exit_code;
   if (device_name == "cuda" && !torch::cuda::is_available()) {
     std::fprintf(stderr, "qkv-bench: --device cuda: no CUDA device is available to this LibTorch (%s)\n",
@@ -201,6 +255,7 @@ int main(int argc, char** argv) {
     const auto c = parse_case(entry);
     if (c.device != device_name) continue;
     if (list) {
+      if (entry.value("optional", false) && !list_all) continue;
       std::printf("%s\n", c.name.c_str());
       continue;
     }

@@ -162,8 +162,12 @@ DataParallel::DataParallel(const DistributedEnv& env, const std::string& backend
       group_->store = store;
     }
   } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("{}: the rendezvous at {}:{} failed within --dist-timeout {}: {}", where,
-                                       env.master_addr, env.master_port, seconds(timeout), first_line(e.what())));
+    // LibTorch 2.x's store waits for every rank at construction; 1.13's fails later, in the
+    // process group: both say what to check.
+    throw DistributedError(fmt::format("{}: the rendezvous at {}:{} failed within --dist-timeout {}: {} (were all "
+                                       "{} ranks started, with the same MASTER_ADDR and MASTER_PORT?)",
+                                       where, env.master_addr, env.master_port, seconds(timeout), first_line(e.what()),
+                                       env.world_size));
   }
   try {
 #if defined(QKV_WITH_GLOO)

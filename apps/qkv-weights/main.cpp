@@ -35,30 +35,20 @@ c10::optional<int64_t> kv_heads_for(const torch::Tensor& query_weight, const tor
   return key_width / (query_width / heads);
 }
 
-// SelfAttentionOptions that fit `tensors` (after mapping nn.MultiheadAttention's names).
+// SelfAttentionOptions that fit `tensors` (either attention layout).
 qkv::SelfAttentionOptions options_for(const std::map<std::string, torch::Tensor>& tensors, int64_t heads) {
-  const bool multihead = qkv::detect_layout(tensors) == qkv::StateDictLayout::MultiheadAttention;
-  auto find = [&](const std::string& key) { return ::find(tensors, key); };
-  torch::Tensor query_weight, key_weight, value_weight;
-  if (multihead && find("in_proj_weight").defined()) {
-    const auto parts = find("in_proj_weight").chunk(3);
-    query_weight = parts[0], key_weight = parts[1], value_weight = parts[2];
-  } else if (multihead) {
-    query_weight = find("q_proj_weight"), key_weight = find("k_proj_weight"), value_weight = find("v_proj_weight");
-  } else {
-    query_weight = find("W_q.weight"), key_weight = find("W_k.weight"), value_weight = find("W_v.weight");
-  }
+  const auto mapped = qkv::to_documents_layout(tensors);
+  const auto query_weight = find(mapped, "W_q.weight"), key_weight = find(mapped, "W_k.weight");
+  const auto value_weight = find(mapped, "W_v.weight");
   if (!query_weight.defined() || !key_weight.defined() || !value_weight.defined() || query_weight.dim() != 2 ||
       key_weight.dim() != 2 || value_weight.dim() != 2) {
     throw std::runtime_error("no W_q/W_k/W_v (or in_proj_weight) matrices found; see `qkv-weights inspect`");
   }
-  const bool bias = multihead ? find("in_proj_bias").defined() : find("W_q.bias").defined();
-  const bool out_proj = multihead ? find("out_proj.weight").defined() : find("W_o.weight").defined();
   return qkv::SelfAttentionOptions(query_weight.size(0))
       .num_heads(heads)
       .num_kv_heads(kv_heads_for(query_weight, key_weight, heads))
-      .bias(bias)
-      .out_proj(out_proj)
+      .bias(find(mapped, "W_q.bias").defined())
+      .out_proj(find(mapped, "W_o.weight").defined())
       .kdim(key_weight.size(1))
       .vdim(value_weight.size(1));
 }

@@ -8,6 +8,8 @@
 
 namespace qkv {
 
+class SelfAttentionImpl;
+
 /// The projected (and, with RoPE, rotated) keys and values of the first length() positions of a
 /// batch of sequences, in storage preallocated for capacity() positions: appending a position
 /// never reallocates. Made by SelfAttention::make_cache or TransformerBlock::make_cache, which
@@ -36,6 +38,9 @@ class KVCache {
 
   /// Forgets every position (length 0) and keeps the storage, for the next sequence.
   void reset() { length_ = 0; }
+  /// Forgets the positions from `length` on (rolling back tokens, e.g. a rejected draft); the
+  /// storage is kept. Throws c10::Error unless 0 <= length <= length().
+  void truncate(int64_t length);
 
   /// The cached keys (B, Hkv, length, D) and values (B, Hkv, length, Dv): views of the storage.
   torch::Tensor keys() const;
@@ -52,9 +57,14 @@ class KVCache {
   std::pair<torch::Tensor, torch::Tensor> append(const torch::Tensor& keys, const torch::Tensor& values);
 
  private:
+  friend class SelfAttentionImpl;  // stores and reads the rotary tables below
+
   torch::Tensor keys_;    // (B, Hkv, capacity, D)
   torch::Tensor values_;  // (B, Hkv, capacity, Dv)
   int64_t length_ = 0;
+  // A RoPE module's cos θ / sin θ for positions [0, capacity), (capacity, D/2) each, computed
+  // once by make_cache instead of at every decoded position; undefined without RoPE.
+  torch::Tensor rope_cos_, rope_sin_;
 };
 
 }  // namespace qkv

@@ -37,6 +37,12 @@ std::map<std::string, torch::Tensor> read_tensor_dict(const std::vector<char>& b
 /// Recognises the layout of `tensors` from its key names.
 StateDictLayout detect_layout(const std::map<std::string, torch::Tensor>& tensors);
 
+/// `tensors` under the documents' key names: nn.MultiheadAttention's in_proj_weight / in_proj_bias
+/// split into W_q, W_k, W_v, q/k/v_proj_weight renamed, out_proj.* as W_o.*; other layouts and
+/// keys unchanged. Throws c10::Error naming `source` when in_proj_* cannot be split in three.
+std::map<std::string, torch::Tensor> to_documents_layout(const std::map<std::string, torch::Tensor>& tensors,
+                                                         const std::string& source = "state dict");
+
 /// Loads `tensors` into `module` by parameter name, converting dtype and device to the module's.
 /// Missing, unexpected, wrongly shaped or non-floating tensors are refused with a message listing
 /// them all, and then nothing is loaded. `source` names the tensors' origin in messages.

@@ -28,6 +28,7 @@ cleanup() {
 trap cleanup EXIT
 ip netns add "$host0" 2> "$work/netns.err" || skip "cannot create a network namespace: $(cat "$work/netns.err")"
 ip netns add "$host1" || skip "cannot create a second network namespace"
+ip netns exec "$host0" true 2> "$work/netns.err" || skip "cannot enter a network namespace here: $(cat "$work/netns.err")"
 ip link add "$if0" netns "$host0" type veth peer name "$if1" netns "$host1" || skip "cannot create a veth pair"
 ip -n "$host0" addr add "$addr0/24" dev "$if0" && ip -n "$host1" addr add "$addr1/24" dev "$if1" || fail "addresses"
 for host in "$host0" "$host1"; do ip -n "$host" link set lo up; done
