@@ -236,15 +236,20 @@ def speed(args):
                "seq_len": args.seq_len, "batch": args.batch, "lr": args.lr, "seed": args.seed,
                "dropout": args.dropout, "weight_decay": 0.1, "warmup_steps": args.warmup_steps,
                "steps": args.total_steps, "grad_clip": 1.0, "tie_weights": False, "dtype": "float32"}
-    data = Data(args.data, args.seq_len)
+    data_path = args.data
+    if args.like:  # the options of a qkv-train --task lm run (its summary.json)
+        like = json.load(open(args.like))["options"]
+        options.update({k: like[k] for k in options if k in like})
+        data_path = like.get("data") or DEFAULT_TEXT
+    data = Data(data_path, options["seq_len"])
     model = build(options, data)
     train_steps(model, data, options, args.warmup)  # warm-up: allocator, first-call costs
     start = time.perf_counter()
     train_steps(model, data, options, args.steps)
     seconds = time.perf_counter() - start
     print(json.dumps({"implementation": "pytorch", "torch_version": torch.__version__, "threads": args.threads,
-                      "steps": args.steps, "seconds": seconds,
-                      "tokens_per_s": args.steps * args.batch * args.seq_len / seconds,
+                      "steps": args.steps, "seconds": seconds, "options": options,
+                      "tokens_per_s": args.steps * options["batch"] * options["seq_len"] / seconds,
                       "attention": "F.scaled_dot_product_attention" if hasattr(F, "scaled_dot_product_attention")
                       else "matmul-softmax-matmul"}))
 
@@ -270,6 +275,7 @@ def main():
     s.add_argument("--warmup-steps", type=int, default=100)
     s.add_argument("--total-steps", type=int, default=1500)
     s.add_argument("--seed", type=int, default=42)
+    s.add_argument("--like", help="take the model, data and optimizer options from this qkv-train summary.json")
     args = parser.parse_args()
     if args.mode == "parity":
         parity(args.out)

@@ -81,8 +81,8 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
   size_t at = directory_offset;
   const size_t directory_stop = static_cast<size_t>(directory_offset + directory_size);
   for (uint64_t i = 0; i < entries; ++i) {
-    TORCH_CHECK(at + 46 <= directory_stop && read32(bytes + at) == 0x02014b50u, path, ": archive directory entry ",
-                i, " is corrupt");
+    TORCH_CHECK(at + 46 <= directory_stop && read32(bytes + at) == 0x02014b50u, path, ": archive directory entry ", i,
+                " is corrupt");
     const uint16_t method = read16(bytes + at + 10);
     const uint32_t expected_crc = read32(bytes + at + 16);
     const uint32_t stored_size = read32(bytes + at + 20);
@@ -101,8 +101,8 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
     // Tensors are stored uncompressed (method 0) and checked here; torch::save also writes
     // small deflated entries (TorchScript code), which are only bounds-checked.
     TORCH_CHECK(method == 0 || method == 8, path, ": entry ", name, " uses unknown compression method ", method);
-    TORCH_CHECK(uint64_t(local_offset) + 30 <= size && read32(bytes + local_offset) == 0x04034b50u, path,
-                ": entry ", name, " has no valid local header; the file is corrupt");
+    TORCH_CHECK(uint64_t(local_offset) + 30 <= size && read32(bytes + local_offset) == 0x04034b50u, path, ": entry ",
+                name, " has no valid local header; the file is corrupt");
     const uint64_t payload =
         uint64_t(local_offset) + 30 + read16(bytes + local_offset + 26) + read16(bytes + local_offset + 28);
     TORCH_CHECK(uint64_t(payload) + stored_size <= size, path, ": entry ", name,

@@ -17,10 +17,14 @@ namespace qkv {
 
 const char* to_string(AttentionBackend backend) {
   switch (backend) {
-    case AttentionBackend::Auto: return "auto";
-    case AttentionBackend::Math: return "math";
-    case AttentionBackend::Fused: return "fused";
-    case AttentionBackend::Tiled: return "tiled";
+    case AttentionBackend::Auto:
+      return "auto";
+    case AttentionBackend::Math:
+      return "math";
+    case AttentionBackend::Fused:
+      return "fused";
+    case AttentionBackend::Tiled:
+      return "tiled";
   }
   return "unknown";
 }
@@ -40,7 +44,8 @@ void check_shapes(const torch::Tensor& q, const torch::Tensor& k, const torch::T
               defined_text(k), ", v ", defined_text(v));
   TORCH_CHECK(q.dim() >= 2 && k.dim() == q.dim() && v.dim() == q.dim(),
               "scaled_dot_product_attention: expected q (..., N, D), k (..., S, D) and v (..., S, Dv) of the same "
-              "rank >= 2, got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+              "rank >= 2, got q ",
+              q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   TORCH_CHECK(k.sizes().slice(0, k.dim() - 2) == v.sizes().slice(0, v.dim() - 2),
               "scaled_dot_product_attention: expected k and v with equal leading (batch, head) dimensions, got k ",
               k.sizes(), ", v ", v.sizes());
@@ -48,11 +53,11 @@ void check_shapes(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   if (options.enable_gqa() && q.dim() >= 3) {
     // Everything but the head dimension (-3) must match; k's heads must divide q's.
     const auto q_heads = q.size(-3), kv_heads = k.size(-3);
-    TORCH_CHECK(q.sizes().slice(0, leading - 1) == k.sizes().slice(0, leading - 1) && kv_heads > 0 &&
-                    q_heads % kv_heads == 0,
-                "scaled_dot_product_attention: with enable_gqa, expected q (..., H, N, D) and k, v (..., Hkv, S, D) "
-                "with equal batch dimensions and Hkv dividing H, got q ", q.sizes(), ", k ", k.sizes(), ", v ",
-                v.sizes());
+    TORCH_CHECK(
+        q.sizes().slice(0, leading - 1) == k.sizes().slice(0, leading - 1) && kv_heads > 0 && q_heads % kv_heads == 0,
+        "scaled_dot_product_attention: with enable_gqa, expected q (..., H, N, D) and k, v (..., Hkv, S, D) "
+        "with equal batch dimensions and Hkv dividing H, got q ",
+        q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   } else {
     TORCH_CHECK(q.sizes().slice(0, leading) == k.sizes().slice(0, leading),
                 "scaled_dot_product_attention: expected equal leading (batch, head) dimensions, got q ", q.sizes(),
@@ -87,7 +92,8 @@ void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, cons
   if (mask.defined()) {
     TORCH_CHECK(mask.scalar_type() == torch::kBool || at::isFloatingType(mask.scalar_type()),
                 "scaled_dot_product_attention: expected a bool mask (true = attend) or a floating mask (added to "
-                "the scores), got ", mask.scalar_type());
+                "the scores), got ",
+                mask.scalar_type());
     TORCH_CHECK(mask.device() == q.device(), "scaled_dot_product_attention: expected the mask on ", q.device(),
                 " like q, got ", mask.device());
     // The scores have shape (..., N, S); the mask must broadcast to it.
@@ -112,15 +118,21 @@ void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, cons
                 ", got ", lengths.device());
   }
   if (options.backend() == AttentionBackend::Tiled) {
-    TORCH_CHECK(!options.need_weights(), "scaled_dot_product_attention: the tiled backend cannot return the attention "
+    TORCH_CHECK(!options.need_weights(),
+                "scaled_dot_product_attention: the tiled backend cannot return the attention "
                 "weights; use AttentionBackend::Auto or Math with need_weights");
-    TORCH_CHECK(kernels::tiled_supports(q), "scaled_dot_product_attention: the tiled backend runs on the CPU in "
-                "float32, float64 or bfloat16, got ", q.scalar_type(), " on ", q.device());
+    TORCH_CHECK(kernels::tiled_supports(q),
+                "scaled_dot_product_attention: the tiled backend runs on the CPU in "
+                "float32, float64 or bfloat16, got ",
+                q.scalar_type(), " on ", q.device());
   }
   if (options.backend() == AttentionBackend::Fused) {
-    TORCH_CHECK(fused_backend_available(), "scaled_dot_product_attention: the fused backend needs LibTorch >= 2.0, "
-                "this build has ", TORCH_VERSION, "; use AttentionBackend::Auto or Math");
-    TORCH_CHECK(!options.need_weights(), "scaled_dot_product_attention: the fused backend cannot return the "
+    TORCH_CHECK(fused_backend_available(),
+                "scaled_dot_product_attention: the fused backend needs LibTorch >= 2.0, "
+                "this build has ",
+                TORCH_VERSION, "; use AttentionBackend::Auto or Math");
+    TORCH_CHECK(!options.need_weights(),
+                "scaled_dot_product_attention: the fused backend cannot return the "
                 "attention weights; use AttentionBackend::Auto or Math with need_weights");
   }
 }
@@ -144,9 +156,12 @@ AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch
                                              const ScaledDotProductAttentionOptions& options) {
   check_attention_inputs(q, k, v, options);
   switch (choose_backend(q, k, options)) {
-    case AttentionBackend::Fused: return kernels::fused_attention(q, k, v, options);
-    case AttentionBackend::Tiled: return kernels::tiled_attention(q, k, v, options);
-    default: return kernels::math_attention(q, k, v, options);
+    case AttentionBackend::Fused:
+      return kernels::fused_attention(q, k, v, options);
+    case AttentionBackend::Tiled:
+      return kernels::tiled_attention(q, k, v, options);
+    default:
+      return kernels::math_attention(q, k, v, options);
   }
 }
 

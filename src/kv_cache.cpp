@@ -35,7 +35,8 @@ void KVCache::check_append(const char* caller, int64_t batch, int64_t new_positi
   TORCH_CHECK(device == this->device(), caller, ": the KVCache is on ", this->device(), ", got input on ", device,
               "; make the cache after moving the module with .to()");
   TORCH_CHECK(new_positions <= capacity() - length_, caller, ": the KVCache holds ", length_, " of its ", capacity(),
-              " positions; ", new_positions, " more would overflow it (reset() it, or make a larger one with "
+              " positions; ", new_positions,
+              " more would overflow it (reset() it, or make a larger one with "
               "make_cache(batch, capacity))");
 }
 
@@ -43,9 +44,9 @@ std::pair<torch::Tensor, torch::Tensor> KVCache::append(const torch::Tensor& key
   TORCH_CHECK(keys.defined() && values.defined() && keys.dim() == 4 && values.dim() == 4,
               "KVCache::append: expected keys (B, Hkv, T, D) and values (B, Hkv, T, Dv)");
   check_append("KVCache::append", keys.size(0), keys.size(2), keys.scalar_type(), keys.device());
-  TORCH_CHECK(keys.size(1) == kv_heads() && keys.size(3) == head_dim() && values.sizes().slice(0, 3) ==
-                  keys.sizes().slice(0, 3) && values.size(3) == value_dim() && values.scalar_type() == dtype() &&
-                  values.device() == device(),
+  TORCH_CHECK(keys.size(1) == kv_heads() && keys.size(3) == head_dim() &&
+                  values.sizes().slice(0, 3) == keys.sizes().slice(0, 3) && values.size(3) == value_dim() &&
+                  values.scalar_type() == dtype() && values.device() == device(),
               "KVCache::append: expected keys (B, ", kv_heads(), ", T, ", head_dim(), ") and values (B, ", kv_heads(),
               ", T, ", value_dim(), ") of ", dtype(), " on ", device(), ", got keys ", keys.sizes(), " and values ",
               values.sizes());

@@ -10,11 +10,11 @@
 namespace qkv {
 
 torch::Tensor key_mask_from_lengths(const torch::Tensor& lengths, int64_t max_len) {
-  TORCH_CHECK(lengths.defined() && lengths.dim() == 1 && !lengths.is_floating_point() &&
-                  lengths.scalar_type() != torch::kBool,
-              "key_mask_from_lengths: expected integer lengths of shape (B,), got ",
-              lengths.defined() ? c10::toString(lengths.scalar_type()) : "undefined", " ",
-              lengths.defined() ? lengths.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(
+      lengths.defined() && lengths.dim() == 1 && !lengths.is_floating_point() && lengths.scalar_type() != torch::kBool,
+      "key_mask_from_lengths: expected integer lengths of shape (B,), got ",
+      lengths.defined() ? c10::toString(lengths.scalar_type()) : "undefined", " ",
+      lengths.defined() ? lengths.sizes() : c10::IntArrayRef{});
   TORCH_CHECK(max_len >= 0, "key_mask_from_lengths: expected max_len >= 0, got ", max_len);
   auto positions = torch::arange(max_len, lengths.options().dtype(torch::kLong));  // (S,)
   return positions.unsqueeze(0) < lengths.to(torch::kLong).unsqueeze(1);           // (B, S)
@@ -44,8 +44,8 @@ torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& t
   if (lengths.numel() > 0) {
     const auto shortest = lengths.min().item<int64_t>();
     const auto longest = lengths.max().item<int64_t>();
-    TORCH_CHECK(shortest >= 0 && longest <= num_keys, "SelfAttention: expected key_lengths in [0, S] = [0, ",
-                num_keys, "], got values from ", shortest, " to ", longest);
+    TORCH_CHECK(shortest >= 0 && longest <= num_keys, "SelfAttention: expected key_lengths in [0, S] = [0, ", num_keys,
+                "], got values from ", shortest, " to ", longest);
   }
   return lengths.reshape({batch}).to(torch::kLong);
 }
@@ -96,7 +96,8 @@ torch::Tensor merge_attention_mask(const AttentionMask& mask, const MaskTarget& 
                 ", S = ", num_keys, ", got ", sizes);
     TORCH_CHECK(attn_mask.scalar_type() == torch::kBool || attn_mask.is_floating_point(),
                 "SelfAttention: expected a bool attn_mask (true = attend) or a floating one (added to the scores), "
-                "got ", attn_mask.scalar_type());
+                "got ",
+                attn_mask.scalar_type());
     TORCH_CHECK(attn_mask.device() == device, "SelfAttention: expected attn_mask on ", device, ", got ",
                 attn_mask.device());
     if (dims == 2) {

@@ -17,7 +17,8 @@ RopeTable rope_table(int64_t offset, int64_t positions, int64_t head_dim, double
   const int64_t half = head_dim / 2;
   const auto f64 = torch::TensorOptions(torch::kDouble).device(device);
   const auto frequencies = torch::pow(base, -torch::arange(half, f64) * (2.0 / static_cast<double>(2 * half)));
-  const auto angles = torch::arange(offset, offset + positions, f64).unsqueeze(1) * frequencies.unsqueeze(0);  // (P, D/2)
+  const auto angles =
+      torch::arange(offset, offset + positions, f64).unsqueeze(1) * frequencies.unsqueeze(0);  // (P, D/2)
   const auto table_dtype = half_precision(dtype) ? torch::kFloat : dtype;
   return {angles.cos().to(table_dtype), angles.sin().to(table_dtype)};
 }

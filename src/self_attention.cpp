@@ -35,7 +35,8 @@ void SelfAttentionImpl::reset() {
   const auto kv_heads = kv_heads_of(options);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
               "SelfAttention: expected num_kv_heads dividing num_heads (each key/value head serves a group of query "
-              "heads), got num_heads = ", heads, " and num_kv_heads = ", kv_heads);
+              "heads), got num_heads = ",
+              heads, " and num_kv_heads = ", kv_heads);
   const auto head_width = d_model / heads;
   TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0, "SelfAttention: expected dropout in [0, 1), got ",
               options.dropout());
@@ -43,8 +44,9 @@ void SelfAttentionImpl::reset() {
     TORCH_CHECK(std::isfinite(*options.scale()), "SelfAttention: expected a finite scale, got ", *options.scale());
   }
   if (options.rope()) {
-    TORCH_CHECK(head_width % 2 == 0, "SelfAttention: rope needs an even head width D = d_model / num_heads, got D = ",
-                head_width, " (d_model = ", d_model, ", num_heads = ", heads, ")");
+    TORCH_CHECK(head_width % 2 == 0,
+                "SelfAttention: rope needs an even head width D = d_model / num_heads, got D = ", head_width,
+                " (d_model = ", d_model, ", num_heads = ", heads, ")");
     TORCH_CHECK(std::isfinite(options.rope_base()) && options.rope_base() > 1.0,
                 "SelfAttention: expected rope_base > 1, got ", options.rope_base());
   }
@@ -102,8 +104,8 @@ namespace {
 void check_input(const char* name, const torch::Tensor& input, int64_t rank, int64_t width,
                  const torch::Tensor& parameter) {
   TORCH_CHECK(input.defined(), "SelfAttention: expected a defined ", name, " tensor");
-  TORCH_CHECK(input.dim() == rank, "SelfAttention: expected ", name, " of shape ",
-              rank == 2 ? "(S, " : "(B, S, ", width, ") like the query's rank ", rank, ", got ", input.sizes());
+  TORCH_CHECK(input.dim() == rank, "SelfAttention: expected ", name, " of shape ", rank == 2 ? "(S, " : "(B, S, ",
+              width, ") like the query's rank ", rank, ", got ", input.sizes());
   TORCH_CHECK(input.size(-1) == width, "SelfAttention: expected ", name, " with last dimension ", width, ", got ",
               input.sizes());
   TORCH_CHECK(input.scalar_type() == parameter.scalar_type(), "SelfAttention: expected ", name, " of dtype ",
@@ -146,8 +148,8 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   const int64_t vdim = options.vdim().value_or(E);
 
   TORCH_CHECK(query.defined(), "SelfAttention: expected a defined query tensor");
-  TORCH_CHECK(query.dim() == 2 || query.dim() == 3, "SelfAttention: expected query of shape (N, ", E, ") or (B, N, ",
-              E, "), got ", query.sizes());
+  TORCH_CHECK(query.dim() == 2 || query.dim() == 3, "SelfAttention: expected query of shape (N, ", E, ") or (B, N, ", E,
+              "), got ", query.sizes());
   TORCH_CHECK(query.size(-1) == E, "SelfAttention: expected query with last dimension d_model = ", E, ", got ",
               query.sizes());
   TORCH_CHECK(query.is_floating_point(), "SelfAttention: expected a floating-point query, got ", query.scalar_type());
@@ -157,8 +159,10 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
     TORCH_CHECK(kdim == E && vdim == E, "SelfAttention: self-attention needs kdim == vdim == d_model = ", E,
                 ", this module has kdim = ", kdim, " and vdim = ", vdim, "; pass a context");
   } else if (key.is_same(value)) {
-    TORCH_CHECK(kdim == vdim, "SelfAttention: one context feeds both W_k and W_v, which needs kdim == vdim, this "
-                "module has kdim = ", kdim, " and vdim = ", vdim, "; call attend(query, key, value)");
+    TORCH_CHECK(kdim == vdim,
+                "SelfAttention: one context feeds both W_k and W_v, which needs kdim == vdim, this "
+                "module has kdim = ",
+                kdim, " and vdim = ", vdim, "; call attend(query, key, value)");
   }
   check_input("key", key, query.dim(), kdim, parameter);
   check_input("value", value, query.dim(), vdim, parameter);
@@ -168,8 +172,10 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
                 "SelfAttention: expected query, key and value with the same batch size, got query ", query.sizes(),
                 ", key ", key.sizes(), ", value ", value.sizes());
   }
-  TORCH_CHECK(key.size(-2) == value.size(-2), "SelfAttention: expected key and value with the same number of "
-              "positions S, got key ", key.sizes(), " and value ", value.sizes());
+  TORCH_CHECK(key.size(-2) == value.size(-2),
+              "SelfAttention: expected key and value with the same number of "
+              "positions S, got key ",
+              key.sizes(), " and value ", value.sizes());
 
   if (H == 1 && Hkv == 1 && mask.empty() && !options.rope()) {
     // One head, no padding or general mask (the documents' module): attention runs on the
@@ -200,8 +206,9 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
     const auto D = q.size(-1);
     const auto queries = detail::rope_table(0, N, D, options.rope_base(), q.scalar_type(), q.device());
     q = detail::apply_rope(q, queries);  // (B, H, N, D)
-    k = detail::apply_rope(k, S == N ? queries : detail::rope_table(0, S, D, options.rope_base(), k.scalar_type(),
-                                                                     k.device()));  // (B, Hkv, S, D)
+    k = detail::apply_rope(k, S == N ? queries
+                                     : detail::rope_table(0, S, D, options.rope_base(), k.scalar_type(),
+                                                          k.device()));  // (B, Hkv, S, D)
   }
 
   detail::MaskTarget target;
@@ -261,11 +268,13 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
   const int64_t H = options.num_heads();
   const int64_t Hkv = kv_heads_of(options);
   const int64_t D = E / H;
-  TORCH_CHECK(options.causal(), "SelfAttention::forward_with_cache: expected a causal module (SelfAttentionOptions::"
+  TORCH_CHECK(options.causal(),
+              "SelfAttention::forward_with_cache: expected a causal module (SelfAttentionOptions::"
               "causal(true)); cached decoding attends to past positions only, and this module is not causal");
   TORCH_CHECK(options.kdim().value_or(E) == E && options.vdim().value_or(E) == E,
               "SelfAttention::forward_with_cache: caches hold self-attention's keys, and this module is built for "
-              "cross-attention (kdim = ", options.kdim().value_or(E), ", vdim = ", options.vdim().value_or(E), ")");
+              "cross-attention (kdim = ",
+              options.kdim().value_or(E), ", vdim = ", options.vdim().value_or(E), ")");
   TORCH_CHECK(x.defined() && x.dim() == 3 && x.size(-1) == E,
               "SelfAttention::forward_with_cache: expected x of shape (B, T, ", E, "), got ",
               x.defined() ? x.sizes() : c10::IntArrayRef{});

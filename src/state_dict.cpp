@@ -30,9 +30,12 @@ std::string shape_text(c10::IntArrayRef sizes) {
 
 const char* to_string(StateDictLayout layout) {
   switch (layout) {
-    case StateDictLayout::Documents: return "documents'";
-    case StateDictLayout::MultiheadAttention: return "nn.MultiheadAttention";
-    case StateDictLayout::TransformerBlock: return "TransformerBlock";
+    case StateDictLayout::Documents:
+      return "documents'";
+    case StateDictLayout::MultiheadAttention:
+      return "nn.MultiheadAttention";
+    case StateDictLayout::TransformerBlock:
+      return "TransformerBlock";
   }
   return "unknown";
 }
@@ -46,8 +49,8 @@ std::map<std::string, torch::Tensor> read_tensor_dict(const std::vector<char>& b
   // header followed by the GLOBAL opcode for it (tensors inside carry an OrderedDict too, but
   // never right after the header).
   static const std::string ordered_dict = std::string("\x80\x02", 2) + "ccollections\nOrderedDict\n";
-  const bool is_ordered_dict = std::search(bytes.begin(), bytes.end(), ordered_dict.begin(), ordered_dict.end()) !=
-                               bytes.end();
+  const bool is_ordered_dict =
+      std::search(bytes.begin(), bytes.end(), ordered_dict.begin(), ordered_dict.end()) != bytes.end();
   c10::IValue value;
   try {
     value = detail::read_torch_file(bytes, path, "load_state_dict");
@@ -74,8 +77,7 @@ std::map<std::string, torch::Tensor> read_tensor_dict(const std::vector<char>& b
     }
     tensors.emplace(entry.key().toStringRef(), entry.value().toTensor());
   }
-  TORCH_CHECK(not_tensors.empty(), "load_state_dict: ", path, " has entries that are not tensors: ",
-              join(not_tensors));
+  TORCH_CHECK(not_tensors.empty(), "load_state_dict: ", path, " has entries that are not tensors: ", join(not_tensors));
   return tensors;
 }
 
@@ -87,9 +89,7 @@ StateDictLayout detect_layout(const std::map<std::string, torch::Tensor>& tensor
   return StateDictLayout::Documents;
 }
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 // nn.MultiheadAttention's names onto SelfAttention's: in_proj_* is W_q, W_k, W_v stacked.
 std::map<std::string, torch::Tensor> to_documents_layout(const std::map<std::string, torch::Tensor>& tensors,
@@ -98,8 +98,8 @@ std::map<std::string, torch::Tensor> to_documents_layout(const std::map<std::str
   std::map<std::string, torch::Tensor> mapped;
   for (const auto& [key, tensor] : tensors) {
     if (key == "in_proj_weight" || key == "in_proj_bias") {
-      TORCH_CHECK(tensor.dim() >= 1 && tensor.size(0) % 3 == 0, "load_state_dict: ", source, ": ", key,
-                  " has shape ", tensor.sizes(), "; expected its first dimension to be 3 * d_model (W_q, W_k, W_v)");
+      TORCH_CHECK(tensor.dim() >= 1 && tensor.size(0) % 3 == 0, "load_state_dict: ", source, ": ", key, " has shape ",
+                  tensor.sizes(), "; expected its first dimension to be 3 * d_model (W_q, W_k, W_v)");
       const auto parts = tensor.chunk(3, /*dim=*/0);
       const std::string suffix = key == "in_proj_weight" ? ".weight" : ".bias";
       mapped["W_q" + suffix] = parts[0];
@@ -110,7 +110,8 @@ std::map<std::string, torch::Tensor> to_documents_layout(const std::map<std::str
     } else if (key.rfind("out_proj.", 0) == 0) {
       mapped["W_o." + key.substr(9)] = tensor;
     } else {
-      mapped[key] = tensor;  // reported as unexpected by load_state_dict (bias_k / bias_v: add_bias_kv is not supported)
+      mapped[key] =
+          tensor;  // reported as unexpected by load_state_dict (bias_k / bias_v: add_bias_kv is not supported)
     }
   }
   return mapped;

@@ -13,8 +13,8 @@ void TransformerBlockImpl::reset() {
   const auto E = options.d_model();
   TORCH_CHECK(E > 0, "TransformerBlock: expected d_model > 0, got ", E);
   TORCH_CHECK(options.mlp_ratio() > 0, "TransformerBlock: expected mlp_ratio > 0, got ", options.mlp_ratio());
-  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0,
-              "TransformerBlock: expected dropout in [0, 1), got ", options.dropout());
+  TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0, "TransformerBlock: expected dropout in [0, 1), got ",
+              options.dropout());
   TORCH_CHECK(options.layer_norm_eps() > 0.0, "TransformerBlock: expected layer_norm_eps > 0, got ",
               options.layer_norm_eps());
   const auto hidden = options.mlp_ratio() * E;
@@ -52,7 +52,7 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const Attent
               "TransformerBlock: expected x of shape (B, N, ", options.d_model(), ") or (N, ", options.d_model(),
               "), got ", x.defined() ? x.sizes() : c10::IntArrayRef{});
   auto h = x + residual_dropout(attn(ln_1(x), /*context=*/torch::Tensor(), mask));  // (B, N, E)
-  return h + residual_dropout(mlp(ln_2(h)));                                         // (B, N, E)
+  return h + residual_dropout(mlp(ln_2(h)));                                        // (B, N, E)
 }
 
 KVCache TransformerBlockImpl::make_cache(int64_t batch, int64_t capacity) const {

@@ -62,8 +62,8 @@ std::vector<BackendCase> backend_cases() {
        }},
       {"key_mask", qkv::SelfAttentionOptions(E).num_heads(2), 6, 6,
        [](int64_t, int64_t, int64_t) {
-         return qkv::AttentionMask::from_key_mask(torch::tensor({{true, false, true, true, false, true},
-                                                                 {false, true, true, true, true, false}}));
+         return qkv::AttentionMask::from_key_mask(
+             torch::tensor({{true, false, true, true, false, true}, {false, true, true, true, true, false}}));
        }},
       {"bool_mask_with_a_dead_row", qkv::SelfAttentionOptions(E).num_heads(4), 5, 5,
        [](int64_t batch, int64_t queries, int64_t keys) {
@@ -149,7 +149,8 @@ void expect_backend_matches_float64_math(const BackendCase& c, AttentionBackend 
 
 TEST(Backends, MathInEveryDtypeMatchesFloat64) {
   for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
-    for (const auto& c : backend_cases()) expect_backend_matches_float64_math(c, AttentionBackend::Math, torch::kCPU, dtype);
+    for (const auto& c : backend_cases())
+      expect_backend_matches_float64_math(c, AttentionBackend::Math, torch::kCPU, dtype);
   }
 }
 

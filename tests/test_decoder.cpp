@@ -80,8 +80,11 @@ struct CacheCase {
   bool rope;
 };
 
-const CacheCase kCacheCases[] = {
-    {"mha", 4, 4, false}, {"gqa", 4, 2, false}, {"rope", 4, 4, true}, {"gqa_rope", 4, 2, true}, {"mqa_rope", 4, 1, true}};
+const CacheCase kCacheCases[] = {{"mha", 4, 4, false},
+                                 {"gqa", 4, 2, false},
+                                 {"rope", 4, 4, true},
+                                 {"gqa_rope", 4, 2, true},
+                                 {"mqa_rope", 4, 1, true}};
 
 // Feeds x (B, N, E) in pieces of the given sizes through forward_with_cache and returns the outputs joined.
 template <typename Module>
@@ -103,14 +106,18 @@ TEST(KVCache, DecodingEqualsTheFullCausalForward) {
   const std::vector<std::vector<int64_t>> schedules = {
       {5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},  // a prompt, then one position at a time
       {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
-      {4, 3, 3, 5},                        // chunks
+      {4, 3, 3, 5},  // chunks
   };
   for (const auto dtype : {torch::kDouble, torch::kFloat}) {
     const double tolerance = dtype == torch::kDouble ? 1e-10 : 1e-5;
     for (const auto& c : kCacheCases) {
       torch::manual_seed(11);
-      qkv::SelfAttention attention(
-          qkv::SelfAttentionOptions(32).num_heads(c.heads).num_kv_heads(c.kv_heads).rope(c.rope).causal(true).out_proj(true));
+      qkv::SelfAttention attention(qkv::SelfAttentionOptions(32)
+                                       .num_heads(c.heads)
+                                       .num_kv_heads(c.kv_heads)
+                                       .rope(c.rope)
+                                       .causal(true)
+                                       .out_proj(true));
       qkv::TransformerBlock block(
           qkv::TransformerBlockOptions(32, c.heads).num_kv_heads(c.kv_heads).rope(c.rope).causal(true));
       attention->to(dtype), block->to(dtype);
@@ -211,11 +218,18 @@ struct CacheMisuse {
 
 TEST(KVCache, MisuseIsAClearErrorThatChangesNothing) {
   const std::vector<CacheMisuse> cases = {
-      {"overflow", [](auto& m, auto& c) { m->forward_with_cache(torch::randn({2, 5, 16}), c); },
+      {"overflow",
+       [](auto& m, auto& c) {
+         m->forward_with_cache(torch::randn({2, 5, 16}), c);
+       },
        {"holds 3 of its 6 positions", "5 more would overflow"}},
-      {"batch", [](auto& m, auto& c) { m->forward_with_cache(torch::randn({3, 1, 16}), c); },
+      {"batch",
+       [](auto& m, auto& c) {
+         m->forward_with_cache(torch::randn({3, 1, 16}), c);
+       },
        {"batch of 2", "got a batch of 3"}},
-      {"dtype", [](auto& m, auto& c) {
+      {"dtype",
+       [](auto& m, auto& c) {
          m->to(torch::kDouble);
          try {
            m->forward_with_cache(torch::randn({2, 1, 16}, torch::kDouble), c);
@@ -225,9 +239,13 @@ TEST(KVCache, MisuseIsAClearErrorThatChangesNothing) {
          }
        },
        {"holds Float", "got input of dtype Double"}},
-      {"input_width", [](auto& m, auto& c) { m->forward_with_cache(torch::randn({2, 1, 8}), c); },
+      {"input_width",
+       [](auto& m, auto& c) {
+         m->forward_with_cache(torch::randn({2, 1, 8}), c);
+       },
        {"(B, T, 16)", "[2, 1, 8]"}},
-      {"not_causal", [](auto& m, auto& c) {
+      {"not_causal",
+       [](auto& m, auto& c) {
          m->options.causal(false);
          try {
            m->forward_with_cache(torch::randn({2, 1, 16}), c);
@@ -237,12 +255,14 @@ TEST(KVCache, MisuseIsAClearErrorThatChangesNothing) {
          }
        },
        {"expected a causal module", "causal(true)"}},
-      {"grad_mode", [](auto& m, auto& c) {
+      {"grad_mode",
+       [](auto& m, auto& c) {
          torch::AutoGradMode enable(true);
          m->forward_with_cache(torch::randn({2, 1, 16}), c);
        },
        {"for inference", "torch::NoGradGuard"}},
-      {"other_module", [](auto& m, auto& c) {
+      {"other_module",
+       [](auto& m, auto& c) {
          qkv::SelfAttention other(qkv::SelfAttentionOptions(16).num_heads(4).causal(true));
          other->forward_with_cache(torch::randn({2, 1, 16}), c);
        },
@@ -294,8 +314,7 @@ TEST(DecoderOptions, BadOptionsNameTheValues) {
         cross->forward_with_cache(torch::randn({1, 1, 16}), cache);
       },
       ThrowsMessage<c10::Error>(HasSubstr("built for cross-attention (kdim = 8, vdim = 8)")));
-  EXPECT_THAT([] { qkv::KVCache(1, 2, 0, 4, 4, torch::kFloat); },
-              ThrowsMessage<c10::Error>(HasSubstr("capacity 0")));
+  EXPECT_THAT([] { qkv::KVCache(1, 2, 0, 4, 4, torch::kFloat); }, ThrowsMessage<c10::Error>(HasSubstr("capacity 0")));
 }
 
 // ---- Weights: a GQA module and a block round-trip through save_state_dict / load_state_dict ----

@@ -77,8 +77,8 @@ TEST(ParityDocuments, SameSeedSameInitialWeights) {
     EXPECT_TRUE(qkv_test::tensors_close(item.value(), fixture.tensor("param." + item.key()), 0.0)) << item.key();
   }
   // The Python module's state_dict() keys, in its order.
-  EXPECT_EQ(keys, (std::vector<std::string>{"W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias", "W_v.weight",
-                                            "W_v.bias"}));
+  EXPECT_EQ(keys,
+            (std::vector<std::string>{"W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias", "W_v.weight", "W_v.bias"}));
 }
 
 // Three Adam steps from the same weights give PyTorch's losses (llm.c's test_gpt2 in miniature).

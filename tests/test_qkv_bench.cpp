@@ -11,7 +11,8 @@ namespace {
 using ::testing::HasSubstr;
 
 TEST(BenchApp, TinyCaseRunsAndEmitsValidJson) {
-  auto run = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --threads 1 --benchmark_filter='^documents_forward(/|$)' "
+  auto run = qkv_test::run_command(std::string(QKV_BENCH_PATH) +
+                                   " --threads 1 --benchmark_filter='^documents_forward(/|$)' "
                                    "--benchmark_min_time=0.01 --benchmark_format=json");
   ASSERT_EQ(run.exit_code, 0) << run.output;
   const auto report = nlohmann::json::parse(run.output);
@@ -34,7 +35,8 @@ TEST(BenchApp, ListsTheCasesOfTheSharedCaseFileAndRefusesBadFlags) {
   const auto cases = nlohmann::json::parse(file);
   std::string expected;
   for (const auto& entry : cases["cases"]) {
-    if (entry["device"] == "cpu" && !entry.value("optional", false)) expected += entry["name"].get<std::string>() + "\n";
+    if (entry["device"] == "cpu" && !entry.value("optional", false))
+      expected += entry["name"].get<std::string>() + "\n";
   }
   auto run = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --list");
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -43,6 +45,5 @@ TEST(BenchApp, ListsTheCasesOfTheSharedCaseFileAndRefusesBadFlags) {
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_THAT(bad.output, HasSubstr("--device"));
 }
-
 
 }  // namespace

@@ -101,7 +101,6 @@ TEST(TrainApp, HelpListsOptionsWithDefaults) {
   EXPECT_THAT(run.output, HasSubstr("42"));  // the default seed is shown
 }
 
-
 // ---- The learnable tasks: files, determinism, resume, failures. ----
 
 const std::string kSmallReverse = "--task reverse --device cpu --seq-len 6 --d-model 16 --batch 8 --quiet ";
@@ -190,7 +189,8 @@ TEST(TrainTasks, DivergingLossStopsWithStepAndHint) {
 TEST(TrainTasks, SigtermWritesACheckpointAndExits143) {
   const auto out = fresh_dir("sigterm");
   const std::string command = std::string(QKV_TRAIN_PATH) + " " + kSmallReverse + "--steps 100000000 --out " +
-                              out.string() + " & pid=$!; for i in $(seq 300); do [ -s " + (out / "metrics.csv").string() +
+                              out.string() + " & pid=$!; for i in $(seq 300); do [ -s " +
+                              (out / "metrics.csv").string() +
                               " ] && break; sleep 0.1; done; sleep 0.5; kill -TERM $pid; wait $pid; echo exit=$?";
   auto run = qkv_test::run_command(command);
   EXPECT_THAT(run.output, HasSubstr("exit=143"));
@@ -233,7 +233,6 @@ TEST(TrainTasks, DefaultRunsLearnTheirAttentionPattern) {
   }
 }
 
-
 // ---- --task scaling: the documents' argument for sqrt(d_k), measured. ----
 
 TEST(ScalingExperiment, FiguresAgreeWithTheDocuments) {
@@ -257,7 +256,7 @@ TEST(ScalingExperiment, FiguresAgreeWithTheDocuments) {
   const double documents_saturated[] = {0.9999, 0.0001, 0.0}, documents_mild[] = {0.67, 0.24, 0.09};
   for (int i = 0; i < 3; ++i) {
     EXPECT_NEAR(saturated[i], documents_saturated[i], 1e-4) << i;  // the documents print 4 decimals
-    EXPECT_NEAR(mild[i], documents_mild[i], 0.005) << i;          // and here 2
+    EXPECT_NEAR(mild[i], documents_mild[i], 0.005) << i;           // and here 2
   }
 
   const auto rows = read_csv(out / "scaling.csv");
@@ -276,7 +275,8 @@ TEST(ScalingExperiment, FiguresAgreeWithTheDocuments) {
     }
     EXPECT_NEAR(cell(r, "max_weight_scaled"), cell(1, "max_weight_scaled"), 0.05) << "scaled stays flat, d_k " << d_k;
     EXPECT_NEAR(cell(r, "grad_qk_median_scaled"), cell(1, "grad_qk_median_scaled"),
-                0.25 * cell(1, "grad_qk_median_scaled")) << "d_k " << d_k;
+                0.25 * cell(1, "grad_qk_median_scaled"))
+        << "d_k " << d_k;
   }
   const size_t last = rows.size() - 1;  // d_k = 1024
   EXPECT_GT(cell(last, "max_weight_unscaled"), 0.9);
@@ -294,7 +294,6 @@ TEST(ScalingExperiment, FiguresAgreeWithTheDocuments) {
   EXPECT_TRUE(is_png(out / "scaling.png"));
   fs::remove_all(out);
 }
-
 
 TEST(TrainTasks, DamagedCheckpointsAreRefusedNamingTheFile) {
   const auto source = fresh_dir("checkpoint_source");
@@ -342,24 +341,25 @@ TEST(TrainTasks, DamagedCheckpointsAreRefusedNamingTheFile) {
   fs::remove_all(source), fs::remove_all(other);
 }
 
-
 // ---- Data-parallel training (qkv-train --nproc, torchrun's environment). ----
 
 // Runs qkv-train with `assignments` (VAR=value ...) as its only distributed environment variables.
 qkv_test::ProcessResult train_in_env(const std::string& assignments, const std::string& arguments,
                                      bool merge_stderr = false) {
-  return qkv_test::run_command("env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR -u "
-                               "MASTER_PORT " + assignments + " " + QKV_TRAIN_PATH + " " + arguments,
-                               merge_stderr);
+  return qkv_test::run_command(
+      "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR -u "
+      "MASTER_PORT " +
+          assignments + " " + QKV_TRAIN_PATH + " " + arguments,
+      merge_stderr);
 }
-
 
 TEST(TrainDistributed, TwoGlooRanksEqualOneProcessOnTheWholeBatch) {
   // float64: the comparison with one process then measures the algorithm, not float32 rounding
   // (in float32, W_k's bias, whose exact gradient is zero, follows Adam's reading of rounding noise).
   for (const std::string task : {"reverse", "lookup"}) {
     const auto job = fresh_dir("ddp_" + task), single = fresh_dir("single_" + task);
-    const std::string args = "--task " + task + " --device cpu --dtype float64 --seq-len 6 --d-model 16 --batch 8 "
+    const std::string args = "--task " + task +
+                             " --device cpu --dtype float64 --seq-len 6 --d-model 16 --batch 8 "
                              "--steps 12 --log-every 1 --eval-every 6 --quiet ";
     auto run = train_in_env("", "--nproc 2 --save-replicas --out " + job.string() + " " + args, true);
     ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -389,8 +389,8 @@ TEST(TrainDistributed, Float32ReplicasStayBitIdenticalAndOnlyRankZeroWrites) {
   const auto job = fresh_dir("ddp_f32");
   // Different seeds per process cannot split the replicas: rank 0's weights are broadcast at start
   // and every step applies the same averaged gradient.
-  auto run = train_in_env("", kSmallReverse + "--steps 30 --nproc 2 --save-replicas --json --out " + job.string(),
-                   true);
+  auto run =
+      train_in_env("", kSmallReverse + "--steps 30 --nproc 2 --save-replicas --json --out " + job.string(), true);
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_EQ(max_weight_difference(job / "replica-0.pt", job / "replica-1.pt"), 0.0);
   // One summary on stdout (rank 0's), not one per rank.
@@ -405,8 +405,10 @@ TEST(TrainDistributed, Float32ReplicasStayBitIdenticalAndOnlyRankZeroWrites) {
 
 TEST(TrainDistributed, ResumedJobEqualsUninterruptedJob) {
   const auto whole = fresh_dir("ddp_whole"), split = fresh_dir("ddp_split");
-  ASSERT_EQ(train_in_env("", kSmallReverse + "--nproc 2 --steps 30 --log-every 1 --out " + whole.string()).exit_code, 0);
-  ASSERT_EQ(train_in_env("", kSmallReverse + "--nproc 2 --steps 15 --log-every 1 --out " + split.string()).exit_code, 0);
+  ASSERT_EQ(train_in_env("", kSmallReverse + "--nproc 2 --steps 30 --log-every 1 --out " + whole.string()).exit_code,
+            0);
+  ASSERT_EQ(train_in_env("", kSmallReverse + "--nproc 2 --steps 15 --log-every 1 --out " + split.string()).exit_code,
+            0);
   auto resumed = train_in_env("", "--nproc 2 --resume " + split.string() + " --steps 30 --quiet", true);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_EQ(losses_by_step(split / "metrics.csv"), losses_by_step(whole / "metrics.csv"));
@@ -423,7 +425,8 @@ TEST(TrainDistributed, MalformedEnvironmentsAreRefusedNamingTheVariable) {
       {"RANK=2 WORLD_SIZE=2 " + ok, "RANK=2 with WORLD_SIZE=2: expected a rank from 0 to 1"},
       {"RANK=0 WORLD_SIZE=2 MASTER_PORT=29999", "lacks MASTER_ADDR"},
       {"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1", "lacks MASTER_PORT"},
-      {"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=70000", "MASTER_PORT='70000': expected a whole number from 1 to 65535"},
+      {"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=70000",
+       "MASTER_PORT='70000': expected a whole number from 1 to 65535"},
       {"RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 LOCAL_RANK=2 " + ok, "LOCAL_RANK=2 with LOCAL_WORLD_SIZE=2"},
       {"RANK=0 WORLD_SIZE=3 " + ok, "--batch 8 is the total batch and must divide evenly over the 3 processes"},
   };

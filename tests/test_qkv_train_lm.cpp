@@ -24,7 +24,8 @@ const std::string kSmallLm = "--task lm --device cpu --data " + kExcerpt +
 void write(const fs::path& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 TEST(LanguageModelText, EveryUtf8TextRoundTripsThroughTheTokenizer) {
-  const std::string text = "The Devil's Dictionary — Ambrose Bierce, 1906.\nÆsop: «ça» 漢字 𝄞 emoji 🙂\ttab\r\n";
+  const std::string text =
+      "The Devil's Dictionary — Ambrose Bierce, 1906.\nÆsop: «ça» 漢字 𝄞 emoji 🙂\ttab\r\n";
   const auto characters = qkv_train::lm::decode_utf8(text, "test");
   EXPECT_EQ(characters.size(), 76u);  // code points, not bytes
   EXPECT_EQ(qkv_train::lm::encode_utf8(characters), text);
@@ -40,12 +41,12 @@ TEST(LanguageModelText, EveryUtf8TextRoundTripsThroughTheTokenizer) {
 }
 
 TEST(LanguageModelText, InvalidUtf8IsRefusedWithItsOffset) {
-  for (const auto& [bytes, why] : std::vector<std::pair<std::string, std::string>>{
-           {std::string("ab\xff", 3), "invalid leading byte at byte 2"},
-           {std::string("ab\xc3", 3), "truncated sequence at byte 2"},
-           {std::string("a\xc0\xaf", 3), "overlong sequence at byte 1"},
-           {std::string("a\0b", 3), "NUL byte"},
-           {std::string("\xed\xa0\x80", 3), "outside Unicode"}}) {
+  for (const auto& [bytes, why] :
+       std::vector<std::pair<std::string, std::string>>{{std::string("ab\xff", 3), "invalid leading byte at byte 2"},
+                                                        {std::string("ab\xc3", 3), "truncated sequence at byte 2"},
+                                                        {std::string("a\xc0\xaf", 3), "overlong sequence at byte 1"},
+                                                        {std::string("a\0b", 3), "NUL byte"},
+                                                        {std::string("\xed\xa0\x80", 3), "outside Unicode"}}) {
     EXPECT_THAT([&] { qkv_train::lm::decode_utf8(bytes, "input"); },
                 ::testing::ThrowsMessage<qkv_train::lm::DataError>(HasSubstr(why)));
   }
@@ -70,7 +71,8 @@ TEST(LanguageModel, WritesItsFilesAndIsDeterministic) {
   EXPECT_EQ(losses_by_step(a / "metrics.csv").size(), 12u);
   const auto summary = nlohmann::json::parse(read_file(a / "summary.json"));
   for (const char* key : {"val_loss", "val_bpc", "bigram_val_loss"}) EXPECT_TRUE(summary["eval"].contains(key)) << key;
-  EXPECT_NEAR(summary["eval"]["val_bpc"].get<double>(), summary["eval"]["val_loss"].get<double>() / std::log(2.0), 1e-9);
+  EXPECT_NEAR(summary["eval"]["val_bpc"].get<double>(), summary["eval"]["val_loss"].get<double>() / std::log(2.0),
+              1e-9);
   EXPECT_EQ(summary["data"]["tokenization"], "character (Unicode code point)");
   EXPECT_TRUE(summary["sample"]["text"].is_string());
   for (const char* file : {"loss.png", "attention.png"}) EXPECT_TRUE(is_png(a / file)) << file;
@@ -100,7 +102,8 @@ TEST(LanguageModel, GreedyGenerationWithTheCacheEqualsRecomputingThePrefix) {
   auto recomputed = train(generate + "--temperature 0 --no-kv-cache --json");
   ASSERT_EQ(cached.exit_code, 0) << cached.output;
   ASSERT_EQ(recomputed.exit_code, 0) << recomputed.output;
-  const auto with_cache = nlohmann::json::parse(cached.output), without_cache = nlohmann::json::parse(recomputed.output);
+  const auto with_cache = nlohmann::json::parse(cached.output),
+             without_cache = nlohmann::json::parse(recomputed.output);
   EXPECT_EQ(with_cache["text"], without_cache["text"]);
   EXPECT_EQ(with_cache["new_tokens"], 24);
   EXPECT_TRUE(with_cache["kv_cache"].get<bool>());
@@ -118,7 +121,8 @@ TEST(LanguageModel, AOneMinuteRunOnTheExcerptBeatsTheBigramBaseline) {
   const auto out = fresh_dir("lm_learns");
   auto run = train("--task lm --device cpu --data " + kExcerpt +
                        " --d-model 64 --heads 4 --layers 2 --seq-len 64 --batch 16 --steps 300 --lr 3e-3 "
-                       "--warmup-steps 30 --dropout 0 --eval-every 300 --quiet --json --out " + out.string(),
+                       "--warmup-steps 30 --dropout 0 --eval-every 300 --quiet --json --out " +
+                       out.string(),
                    /*merge_stderr=*/false);
   ASSERT_EQ(run.exit_code, 0) << run.output;
   const auto summary = nlohmann::json::parse(run.output);
@@ -132,7 +136,9 @@ TEST(LanguageModel, BadInputsAreClearErrorsWithStatus2) {
   const auto dir = fresh_dir("lm_bad");
   fs::create_directories(dir);
   write(dir / "empty.txt", "");
-  write(dir / "binary.bin", std::string("\x7f" "ELF\x02\x01\x01\0\0\0", 10));
+  write(dir / "binary.bin", std::string("\x7f"
+                                        "ELF\x02\x01\x01\0\0\0",
+                                        10));
   write(dir / "short.txt", "too short");
   const auto model = fresh_dir("lm_bad_model");
   ASSERT_EQ(train(kSmallLm + "--steps 2 --out " + model.string()).exit_code, 0);

@@ -12,12 +12,12 @@ TEST(WeightsApp, BadCommandLinesExitWith2AndRuntimeFailuresWith1) {
   const std::string tool = QKV_WEIGHTS_PATH;
   const std::string weights = qkv_test::data_path("interop_mha_weights.pt");
   const std::vector<std::pair<std::string, int>> cases = {
-      {"", 2},                                   // no subcommand
-      {"frobnicate", 2},                         // unknown subcommand
-      {"inspect /no/such/file.pt", 2},           // not an existing file
-      {"convert " + weights, 2},                 // OUT missing
+      {"", 2},                          // no subcommand
+      {"frobnicate", 2},                // unknown subcommand
+      {"inspect /no/such/file.pt", 2},  // not an existing file
+      {"convert " + weights, 2},        // OUT missing
       {"forward " + weights + " " + weights + " out.pt --heads 0", 2},
-      {"inspect " + qkv_test::data_path("seed_example.json"), 1},  // a file, but not torch.save's
+      {"inspect " + qkv_test::data_path("seed_example.json"), 1},         // a file, but not torch.save's
       {"convert " + weights + " /tmp/qkv_convert_test.pt --heads 3", 1},  // 16 not divisible by 3
   };
   for (const auto& [arguments, expected] : cases) {

@@ -95,8 +95,8 @@ TEST(Numerics, HalfPrecisionForwardAndBackwardStayFinite) {
       module->options.causal(true);
       module->to(device, dtype);
       auto x = torch::randn({2, 7, 8}, torch::TensorOptions(dtype).device(device)).requires_grad_(true);
-      qkv::AttentionMask mask = qkv::AttentionMask::from_lengths(
-          torch::tensor({7, 0}, torch::TensorOptions(torch::kLong).device(device)));
+      qkv::AttentionMask mask =
+          qkv::AttentionMask::from_lengths(torch::tensor({7, 0}, torch::TensorOptions(torch::kLong).device(device)));
       torch::Tensor output;
       try {
         output = module->forward(x, {}, mask);

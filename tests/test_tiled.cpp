@@ -45,8 +45,10 @@ Config random_config(std::mt19937& random) {
   c.D = pick({1, 3, 8, 16, 33, 64});
   c.Dv = std::uniform_int_distribution<int>(0, 3)(random) == 0 ? pick({1, 5, 16}) : c.D;
   c.causal = std::uniform_int_distribution<int>(0, 2)(random) == 0;
-  c.mask = std::vector<std::string>{"none", "key_lengths", "key_mask", "bool", "float", "dead_rows"}
-      [std::uniform_int_distribution<size_t>(0, 5)(random)];
+  c.mask =
+      std::vector<std::string>{
+          "none", "key_lengths", "key_mask", "bool", "float", "dead_rows"}[std::uniform_int_distribution<size_t>(
+          0, 5)(random)];
   if (std::uniform_int_distribution<int>(0, 4)(random) == 0) c.scale = 0.37;
   return c;
 }
@@ -88,7 +90,8 @@ Outcome run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
 
 void expect_same(const Outcome& actual, const Outcome& expected, double tolerance, const std::string& what) {
   double scale = 0;
-  for (const auto* t : {&expected.grad_q, &expected.grad_k, &expected.grad_v}) scale = std::max(scale, qkv_test::max_abs(*t));
+  for (const auto* t : {&expected.grad_q, &expected.grad_k, &expected.grad_v})
+    scale = std::max(scale, qkv_test::max_abs(*t));
   EXPECT_TRUE(actual.output.isfinite().all().item<bool>()) << what;
   EXPECT_TRUE(qkv_test::tensors_close(actual.output, expected.output, tolerance)) << what << ": output";
   EXPECT_TRUE(qkv_test::tensors_close(actual.grad_q, expected.grad_q, tolerance, scale)) << what << ": dQ";
@@ -131,9 +134,9 @@ TEST(Tiled, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
   EXPECT_EQ(qkv_test::max_abs(outcome.grad_q.select(2, 5)), 0.0);
   EXPECT_TRUE(outcome.grad_k.isfinite().all().item<bool>());
   // Every key of a sequence of length 0: all zero.
-  auto empty = run(q, k, v, upstream,
-                   qkv::ScaledDotProductAttentionOptions().key_lengths(torch::zeros({1}, torch::kLong)),
-                   AttentionBackend::Tiled);
+  auto empty =
+      run(q, k, v, upstream, qkv::ScaledDotProductAttentionOptions().key_lengths(torch::zeros({1}, torch::kLong)),
+          AttentionBackend::Tiled);
   EXPECT_EQ(qkv_test::max_abs(empty.output), 0.0);
   EXPECT_EQ(qkv_test::max_abs(empty.grad_k), 0.0);
   EXPECT_EQ(qkv_test::max_abs(empty.grad_v), 0.0);
@@ -154,8 +157,8 @@ TEST(Tiled, BFloat16MatchesFloat64Math) {
     const auto expected = run(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
                               upstream.to(torch::kDouble), float64, AttentionBackend::Math);
     const auto actual = run(q, k, v, upstream, options, AttentionBackend::Tiled);
-    Outcome widened{actual.output.to(torch::kDouble), actual.grad_q.to(torch::kDouble), actual.grad_k.to(torch::kDouble),
-                    actual.grad_v.to(torch::kDouble)};
+    Outcome widened{actual.output.to(torch::kDouble), actual.grad_q.to(torch::kDouble),
+                    actual.grad_k.to(torch::kDouble), actual.grad_v.to(torch::kDouble)};
     expect_same(widened, expected, qkv_test::tolerance_for(torch::kBFloat16, std::max({c.N, c.S, c.D})),
                 c.name() + " bfloat16");
   }
@@ -236,13 +239,12 @@ TEST(TiledDropout, EqualsTheMathPathGivenTheKernelsMask) {
 
   const auto keep = qkv::kernels::tiled_dropout_keep_mask(seed, p, B, H, N, S).to(torch::kDouble);
   auto mq = q.clone().requires_grad_(true), mk = k.clone().requires_grad_(true), mv = v.clone().requires_grad_(true);
-  const auto weights = qkv::scaled_dot_product_attention(mq, mk, mv,
-                                                         qkv::ScaledDotProductAttentionOptions()
-                                                             .causal(true)
-                                                             .enable_gqa(true)
-                                                             .need_weights(true)
-                                                             .backend(AttentionBackend::Math))
-                           .weights;  // (B, H, N, S)
+  const auto weights =
+      qkv::scaled_dot_product_attention(
+          mq, mk, mv,
+          qkv::ScaledDotProductAttentionOptions().causal(true).enable_gqa(true).need_weights(true).backend(
+              AttentionBackend::Math))
+          .weights;  // (B, H, N, S)
   const auto values = mv.repeat_interleave(H / Hkv, 1);
   const auto expected = torch::matmul(weights * keep / (1 - p), values);
   (expected * upstream).sum().backward();
@@ -254,17 +256,17 @@ TEST(TiledDropout, EqualsTheMathPathGivenTheKernelsMask) {
 // ---- The PyTorch fixtures and the module, with the tiled backend forced ----
 
 TEST(Tiled, ParityFixturesWithTheTiledBackend) {
-  for (const std::string name : {"documents", "multihead", "multihead_f64", "causal", "padded", "cross", "out_proj",
-                                 "bool_mask", "float_mask", "unscaled", "no_bias_causal_f64", "gqa_h8_kv2",
-                                 "rope_gqa_causal_f64"}) {
+  for (const std::string name :
+       {"documents", "multihead", "multihead_f64", "causal", "padded", "cross", "out_proj", "bool_mask", "float_mask",
+        "unscaled", "no_bias_causal_f64", "gqa_h8_kv2", "rope_gqa_causal_f64"}) {
     const qkv_test::Fixture fixture(name);
     auto module = fixture.make_module();
     module->options.backend(AttentionBackend::Tiled);
     auto query = fixture.tensor("input.query").clone().requires_grad_(true);
     torch::Tensor context;
     if (fixture.has("input.context")) context = fixture.tensor("input.context");
-    const auto result = module->attend(query, context.defined() ? context : query, context.defined() ? context : query,
-                                       fixture.mask());
+    const auto result =
+        module->attend(query, context.defined() ? context : query, context.defined() ? context : query, fixture.mask());
     EXPECT_EQ(result.backend, AttentionBackend::Tiled) << name;
     const double tolerance = qkv_test::tolerance_for(query.scalar_type(), query.size(-2) * query.size(-1));
     EXPECT_TRUE(qkv_test::tensors_close(result.output, fixture.tensor("expected.output"), tolerance)) << name;
@@ -281,17 +283,19 @@ TEST(Tiled, ParityFixturesWithTheTiledBackend) {
 
 TEST(Tiled, RefusesWhatItCannotDo) {
   const auto q = torch::randn({1, 1, 4, 8});
-  EXPECT_THAT([&] {
-    qkv::scaled_dot_product_attention(q, q, q,
-                                      qkv::ScaledDotProductAttentionOptions().backend(AttentionBackend::Tiled).need_weights(true));
-  },
-              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("tiled backend cannot return the attention weights")));
-  EXPECT_THAT([&] {
-    const auto ints = torch::ones({1, 1, 4, 8}, torch::kHalf);
-    qkv::scaled_dot_product_attention(ints, ints, ints,
-                                      qkv::ScaledDotProductAttentionOptions().backend(AttentionBackend::Tiled));
-  },
-              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("float32, float64 or bfloat16, got Half")));
+  EXPECT_THAT(
+      [&] {
+        qkv::scaled_dot_product_attention(
+            q, q, q, qkv::ScaledDotProductAttentionOptions().backend(AttentionBackend::Tiled).need_weights(true));
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("tiled backend cannot return the attention weights")));
+  EXPECT_THAT(
+      [&] {
+        const auto ints = torch::ones({1, 1, 4, 8}, torch::kHalf);
+        qkv::scaled_dot_product_attention(ints, ints, ints,
+                                          qkv::ScaledDotProductAttentionOptions().backend(AttentionBackend::Tiled));
+      },
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("float32, float64 or bfloat16, got Half")));
 }
 
 }  // namespace

@@ -69,8 +69,8 @@ TEST(WorkedExamples, SoftmaxSaturation) {
   EXPECT_TRUE(qkv_test::tensors_close(mild.weights, torch::tensor({{0.67, 0.24, 0.09}}, torch::kDouble), 0.005,
                                       /*scale=*/1.0));
   auto saturated = attend(q, torch::tensor({{20.0}, {10.0}, {0.0}}, torch::kDouble), v, 1.0);
-  EXPECT_TRUE(qkv_test::tensors_close(saturated.weights, torch::tensor({{0.9999, 0.0001, 0.0}}, torch::kDouble),
-                                      1e-4, /*scale=*/1.0));
+  EXPECT_TRUE(qkv_test::tensors_close(saturated.weights, torch::tensor({{0.9999, 0.0001, 0.0}}, torch::kDouble), 1e-4,
+                                      /*scale=*/1.0));
 }
 
 // 002_*.txt: the attention matrix is row-stochastic but not symmetric in general.

@@ -2,8 +2,8 @@
 // names of dtypes.
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <torch/types.h>
+#include <CLI/CLI.hpp>
 
 #include <optional>
 #include <string>
@@ -19,7 +19,7 @@ std::optional<int> parse(CLI::App& app, int argc, const char* const* argv);
 int usage_error(const std::string& program, const std::string& message);
 
 /// The dtype names the programs accept, and the dtype each stands for.
-const std::vector<std::string>& dtype_names();  // float32, float64, bfloat16, float16
+const std::vector<std::string>& dtype_names();               // float32, float64, bfloat16, float16
 torch::ScalarType dtype_from_name(const std::string& name);  // throws std::invalid_argument for others
 
 }  // namespace qkv_cli

@@ -19,7 +19,8 @@ constexpr Color kGrid{225, 225, 225};
 
 class Canvas {
  public:
-  Canvas(int width, int height) : width_(width), height_(height), pixels_(static_cast<size_t>(width) * height * 3, 255) {}
+  Canvas(int width, int height)
+      : width_(width), height_(height), pixels_(static_cast<size_t>(width) * height * 3, 255) {}
 
   int width() const { return width_; }
   int height() const { return height_; }
@@ -195,8 +196,9 @@ void draw_line_plot(Canvas& canvas, const LinePlot& plot, int left, int top, int
         canvas.line(px, py, x, y, s.color, 2);
         for (int t = 0; t <= 8; ++t) drawn.emplace_back(px + (x - px) * t / 8, py + (y - py) * t / 8);
       }
-      if (s.x.size() <= 24) canvas.rect(static_cast<int>(x) - 3, static_cast<int>(y) - 3, static_cast<int>(x) + 4,
-                                        static_cast<int>(y) + 4, s.color);
+      if (s.x.size() <= 24)
+        canvas.rect(static_cast<int>(x) - 3, static_cast<int>(y) - 3, static_cast<int>(x) + 4, static_cast<int>(y) + 4,
+                    s.color);
       drawn.emplace_back(x, y);
       px = x, py = y, has_previous = true;
     }
@@ -209,14 +211,17 @@ void draw_line_plot(Canvas& canvas, const LinePlot& plot, int left, int top, int
   }
   if (legend_h == 0) return;
   legend_h += 6;
-  const int corners[4][2] = {{x1 - legend_w - 4, y0 + 4}, {x1 - legend_w - 4, y1 - legend_h - 4},
-                             {x0 + 4, y0 + 4}, {x0 + 4, y1 - legend_h - 4}};
+  const int corners[4][2] = {{x1 - legend_w - 4, y0 + 4},
+                             {x1 - legend_w - 4, y1 - legend_h - 4},
+                             {x0 + 4, y0 + 4},
+                             {x0 + 4, y1 - legend_h - 4}};
   int best = 0;
   size_t best_hits = SIZE_MAX;
   for (int c = 0; c < 4; ++c) {
     size_t hits = 0;
     for (const auto& [x, y] : drawn) {
-      hits += x >= corners[c][0] && x <= corners[c][0] + legend_w && y >= corners[c][1] && y <= corners[c][1] + legend_h;
+      hits +=
+          x >= corners[c][0] && x <= corners[c][0] + legend_w && y >= corners[c][1] && y <= corners[c][1] + legend_h;
     }
     if (hits < best_hits) best_hits = hits, best = c;
   }
@@ -233,8 +238,8 @@ void draw_line_plot(Canvas& canvas, const LinePlot& plot, int left, int top, int
 
 // A perceptually ordered colour map (viridis, sampled at 9 points and interpolated).
 Color colormap(double t) {
-  static const double table[9][3] = {{68, 1, 84},    {71, 44, 122},  {59, 81, 139},  {44, 113, 142}, {33, 144, 141},
-                                     {39, 173, 129}, {92, 200, 99},  {170, 220, 50}, {253, 231, 37}};
+  static const double table[9][3] = {{68, 1, 84},    {71, 44, 122}, {59, 81, 139},  {44, 113, 142}, {33, 144, 141},
+                                     {39, 173, 129}, {92, 200, 99}, {170, 220, 50}, {253, 231, 37}};
   t = std::min(1.0, std::max(0.0, std::isfinite(t) ? t : 0.0)) * 8;
   const int i = std::min(7, static_cast<int>(t));
   const double f = t - i;
@@ -246,13 +251,13 @@ Color colormap(double t) {
 }  // namespace
 
 Color series_color(int index) {
-  static const Color colors[] = {{31, 119, 180}, {214, 39, 40}, {44, 160, 44}, {255, 127, 14}, {148, 103, 189},
-                                 {80, 80, 80}};
+  static const Color colors[] = {{31, 119, 180}, {214, 39, 40},   {44, 160, 44},
+                                 {255, 127, 14}, {148, 103, 189}, {80, 80, 80}};
   return colors[index % 6];
 }
 
-void write_line_plots(const std::string& path, const std::vector<LinePlot>& panels, int panel_width,
-                      int panel_height, int columns) {
+void write_line_plots(const std::string& path, const std::vector<LinePlot>& panels, int panel_width, int panel_height,
+                      int columns) {
   const int count = std::max(1, static_cast<int>(panels.size()));
   const int per_row = columns > 0 ? std::min(columns, count) : count;
   const int rows = (count + per_row - 1) / per_row;
@@ -306,7 +311,8 @@ void write_heatmaps(const std::string& path, const std::string& title, const std
   }
   // The colour scale.
   const int bx = left + per_row * (panel_w + gap);
-  for (int y = 0; y < panel_h; ++y) canvas.rect(bx, top + y, bx + bar_w, top + y + 1, colormap(1.0 - double(y) / panel_h));
+  for (int y = 0; y < panel_h; ++y)
+    canvas.rect(bx, top + y, bx + bar_w, top + y + 1, colormap(1.0 - double(y) / panel_h));
   for (double t : {0.0, 0.25, 0.5, 0.75, 1.0}) {
     const int y = top + static_cast<int>((1.0 - t) * (panel_h - 1));
     canvas.line(bx + bar_w, y, bx + bar_w + 4, y, kBlack);

@@ -13,12 +13,12 @@
 
 #include <qkv/qkv.h>
 
-#include <CLI/CLI.hpp>
 #include <benchmark/benchmark.h>
-#include <nlohmann/json.hpp>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 #include <torch/version.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #if defined(QKV_BENCH_CUDA)
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -39,8 +39,8 @@ struct Case {
   std::string name, device, kind, impl, dtype;
   int64_t batch = 0, seq_len = 0, d_model = 0, heads = 1, head_dim = 0, kv_heads = 0;
   bool causal = false;
-  double dropout = 0.0;   // core cases: attention dropout while training
-  int64_t warmup = 3;     // iterations before timing (1 for the very long cases)
+  double dropout = 0.0;  // core cases: attention dropout while training
+  int64_t warmup = 3;    // iterations before timing (1 for the very long cases)
 };
 
 Case parse_case(const nlohmann::json& j) {
@@ -157,8 +157,8 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
   }
   auto model = qkv::SelfAttention(qkv::SelfAttentionOptions(c.d_model).num_heads(c.heads).causal(c.causal));
   model->to(device, qkv_cli::dtype_from_name(c.dtype));
-  const auto input_shape = c.batch > 0 ? std::vector<int64_t>{c.batch, c.seq_len, c.d_model}
-                                       : std::vector<int64_t>{c.seq_len, c.d_model};
+  const auto input_shape =
+      c.batch > 0 ? std::vector<int64_t>{c.batch, c.seq_len, c.d_model} : std::vector<int64_t>{c.seq_len, c.d_model};
   auto x = torch::randn(input_shape, options);
   auto target = torch::randn(input_shape, options);
   if (c.kind == "module_forward") {
@@ -230,9 +230,10 @@ void run_case(benchmark::State& state, const Case& c, const torch::Device& devic
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);  // takes the --benchmark_* flags out of argv
-  CLI::App app{"qkv-bench: qkv's speed on the cases of apps/qkv-bench/cases.json (Google Benchmark; its "
-               "--benchmark_* flags work too)",
-               "qkv-bench"};
+  CLI::App app{
+      "qkv-bench: qkv's speed on the cases of apps/qkv-bench/cases.json (Google Benchmark; its "
+      "--benchmark_* flags work too)",
+      "qkv-bench"};
   app.option_defaults()->always_capture_default();
   std::string device_name = "cpu";
   int threads = 0;

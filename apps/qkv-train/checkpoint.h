@@ -3,8 +3,8 @@
 // loss never leaves a broken latest checkpoint.
 #pragma once
 
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <string>
 

@@ -8,9 +8,9 @@
 
 #include <qkv/version.h>
 
-#include <CLI/CLI.hpp>
 #include <spdlog/cfg/env.h>
 #include <spdlog/spdlog.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -22,7 +22,8 @@ namespace {
 int usage_error(const std::string& message) { return qkv_cli::usage_error("qkv-train", message); }
 
 std::string program_description() {
-  std::string text = "qkv-train: train qkv's attention on tasks and watch it learn (qkv " QKV_VERSION_STRING ").\nTasks:";
+  std::string text =
+      "qkv-train: train qkv's attention on tasks and watch it learn (qkv " QKV_VERSION_STRING ").\nTasks:";
   for (const auto& task : task_registry()) text += "\n  " + task.name + ": " + task.description;
   return text;
 }
@@ -96,9 +97,9 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   app.add_option("--d-model", config.d_model, "Model width E" + by_task([](auto& d) { return integer(d.d_model); }))
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
       ->default_str("by task");
-  app.add_option("--heads", config.heads,
-                 "Attention heads H (d_model must be divisible by it)" +
-                     by_task([](auto& d) { return d.heads > 1 ? integer(d.heads) : std::string(); }) + "; else 1")
+  app.add_option("--heads", config.heads, "Attention heads H (d_model must be divisible by it)" + by_task([](auto& d) {
+                                            return d.heads > 1 ? integer(d.heads) : std::string();
+                                          }) + "; else 1")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 12))
       ->default_str("by task");
   app.add_option("--kv-heads", kv_heads, "Key/value heads (grouped-query attention; must divide --heads)")
@@ -116,7 +117,8 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   app.add_option("--steps", config.steps, "Training steps" + by_task([](auto& d) { return integer(d.steps); }))
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->default_str("by task");
-  app.add_option("--lr", config.lr, "Learning rate (the peak of lm's schedule)" + by_task([](auto& d) { return real(d.lr); }))
+  app.add_option("--lr", config.lr,
+                 "Learning rate (the peak of lm's schedule)" + by_task([](auto& d) { return real(d.lr); }))
       ->check(CLI::PositiveNumber)
       ->default_str("by task");
   app.add_option("--optimizer", config.optimizer, "Optimizer of the toy tasks (lm uses AdamW)")
@@ -136,7 +138,8 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->default_str("by task");
   app.add_option("--out", config.out_dir, "Folder for metrics.csv, summary.json, pictures, checkpoint.pt, model.pt");
-  app.add_option("--checkpoint-every", config.checkpoint_every, "Write a checkpoint every N steps (0 = only at the end)")
+  app.add_option("--checkpoint-every", config.checkpoint_every,
+                 "Write a checkpoint every N steps (0 = only at the end)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--resume", config.resume_dir, "Continue from the checkpoint in this folder (lm: or generate from it)")
       ->check(CLI::ExistingDirectory);
@@ -163,7 +166,8 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   app.add_flag("--tie-weights", config.tie_weights, "lm: the output layer shares the token embedding's weights");
   app.add_flag("--generate", config.generate,
                "lm: print text sampled from a trained model (--resume DIR or --init-weights FILE) instead of training");
-  app.add_option("--prompt", config.prompt, "lm: text the samples continue (every character must be in the vocabulary)");
+  app.add_option("--prompt", config.prompt,
+                 "lm: text the samples continue (every character must be in the vocabulary)");
   app.add_option("--max-new-tokens", config.max_new_tokens, "lm: characters to generate")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--temperature", config.temperature, "lm: sampling temperature (0 = greedy)")

@@ -35,17 +35,17 @@ int env_int(const EnvLookup& lookup, const char* name, int min, int max, std::op
   const char* text = lookup(name);
   if (text == nullptr || *text == '\0') {
     if (fallback) return *fallback;
-    throw DistributedConfigError(fmt::format("the distributed environment lacks {} (torchrun sets RANK, WORLD_SIZE, "
-                                             "MASTER_ADDR and MASTER_PORT; see README, \"Training on several "
-                                             "processes or machines\")",
-                                             name));
+    throw DistributedConfigError(
+        fmt::format("the distributed environment lacks {} (torchrun sets RANK, WORLD_SIZE, "
+                    "MASTER_ADDR and MASTER_PORT; see README, \"Training on several "
+                    "processes or machines\")",
+                    name));
   }
   char* end = nullptr;
   errno = 0;
   const long value = std::strtol(text, &end, 10);
   if (errno != 0 || end == text || *end != '\0' || value < min || value > max) {
-    throw DistributedConfigError(
-        fmt::format("{}='{}': expected a whole number from {} to {}", name, text, min, max));
+    throw DistributedConfigError(fmt::format("{}='{}': expected a whole number from {} to {}", name, text, min, max));
   }
   return static_cast<int>(value);
 }
@@ -67,21 +67,22 @@ std::optional<DistributedEnv> read_distributed_env(const EnvLookup& lookup) {
   env.world_size = env_int(lookup, "WORLD_SIZE", 1, kMaxRanks);
   env.rank = env_int(lookup, "RANK", 0, kMaxRanks);
   if (env.rank >= env.world_size) {
-    throw DistributedConfigError(
-        fmt::format("RANK={} with WORLD_SIZE={}: expected a rank from 0 to {}", env.rank, env.world_size,
-                    env.world_size - 1));
+    throw DistributedConfigError(fmt::format("RANK={} with WORLD_SIZE={}: expected a rank from 0 to {}", env.rank,
+                                             env.world_size, env.world_size - 1));
   }
   // Without torchrun's per-machine variables, assume one machine.
   env.local_world_size = env_int(lookup, "LOCAL_WORLD_SIZE", 1, env.world_size, env.world_size);
   env.local_rank = env_int(lookup, "LOCAL_RANK", 0, kMaxRanks, env.rank % env.local_world_size);
   if (env.local_rank >= env.local_world_size) {
-    throw DistributedConfigError(fmt::format("LOCAL_RANK={} with LOCAL_WORLD_SIZE={}: expected a local rank from 0 to {}",
-                                             env.local_rank, env.local_world_size, env.local_world_size - 1));
+    throw DistributedConfigError(
+        fmt::format("LOCAL_RANK={} with LOCAL_WORLD_SIZE={}: expected a local rank from 0 to {}", env.local_rank,
+                    env.local_world_size, env.local_world_size - 1));
   }
   const char* addr = lookup("MASTER_ADDR");
   if (addr == nullptr || *addr == '\0') {
-    throw DistributedConfigError("the distributed environment lacks MASTER_ADDR (the host of rank 0, e.g. 127.0.0.1 "
-                                 "on one machine)");
+    throw DistributedConfigError(
+        "the distributed environment lacks MASTER_ADDR (the host of rank 0, e.g. 127.0.0.1 "
+        "on one machine)");
   }
   env.master_addr = addr;
   env.master_port = env_int(lookup, "MASTER_PORT", 1, 65535);
@@ -164,10 +165,10 @@ DataParallel::DataParallel(const DistributedEnv& env, const std::string& backend
   } catch (const std::exception& e) {
     // LibTorch 2.x's store waits for every rank at construction; 1.13's fails later, in the
     // process group: both say what to check.
-    throw DistributedError(fmt::format("{}: the rendezvous at {}:{} failed within --dist-timeout {}: {} (were all "
-                                       "{} ranks started, with the same MASTER_ADDR and MASTER_PORT?)",
-                                       where, env.master_addr, env.master_port, seconds(timeout), first_line(e.what()),
-                                       env.world_size));
+    throw DistributedError(
+        fmt::format("{}: the rendezvous at {}:{} failed within --dist-timeout {}: {} (were all "
+                    "{} ranks started, with the same MASTER_ADDR and MASTER_PORT?)",
+                    where, env.master_addr, env.master_port, seconds(timeout), first_line(e.what()), env.world_size));
   }
   try {
 #if defined(QKV_WITH_GLOO)
@@ -179,20 +180,23 @@ DataParallel::DataParallel(const DistributedEnv& env, const std::string& backend
       options->devices.push_back(interface != nullptr && *interface != '\0'
                                      ? c10d::ProcessGroupGloo::createDeviceForInterface(interface)
                                      : c10d::ProcessGroupGloo::createDefaultDevice());
-      group_->collectives = c10::make_intrusive<c10d::ProcessGroupGloo>(group_->store, env.rank, env.world_size, options);
+      group_->collectives =
+          c10::make_intrusive<c10d::ProcessGroupGloo>(group_->store, env.rank, env.world_size, options);
     }
 #endif
 #if defined(QKV_WITH_NCCL)
     if (backend == "nccl") {
       auto options = c10d::ProcessGroupNCCL::Options::create();
       options->timeout = timeout;
-      group_->collectives = c10::make_intrusive<c10d::ProcessGroupNCCL>(group_->store, env.rank, env.world_size, options);
+      group_->collectives =
+          c10::make_intrusive<c10d::ProcessGroupNCCL>(group_->store, env.rank, env.world_size, options);
     }
 #endif
   } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("{}: cannot form the {} process group within --dist-timeout {}: {} (were all "
-                                       "{} ranks started, with the same MASTER_ADDR and MASTER_PORT?)",
-                                       where, backend, seconds(timeout), first_line(e.what()), env.world_size));
+    throw DistributedError(
+        fmt::format("{}: cannot form the {} process group within --dist-timeout {}: {} (were all "
+                    "{} ranks started, with the same MASTER_ADDR and MASTER_PORT?)",
+                    where, backend, seconds(timeout), first_line(e.what()), env.world_size));
   }
   spdlog::debug("{}: joined the {} process group at {}:{}", where, backend, env.master_addr, env.master_port);
 }
@@ -210,10 +214,10 @@ void run_collective(const DistributedEnv& env, std::chrono::milliseconds timeout
     auto work = launch();
     work->wait(timeout);
   } catch (const std::exception& e) {
-    throw DistributedError(fmt::format(
-        "rank {} of {}: the {} (collective #{}) failed: {}; another rank stopped, died or is more than "
-        "--dist-timeout {} behind",
-        env.rank, env.world_size, what, index, first_line(e.what()), seconds(timeout)));
+    throw DistributedError(
+        fmt::format("rank {} of {}: the {} (collective #{}) failed: {}; another rank stopped, died or is more than "
+                    "--dist-timeout {} behind",
+                    env.rank, env.world_size, what, index, first_line(e.what()), seconds(timeout)));
   }
 }
 
@@ -247,10 +251,10 @@ DataParallel::StepReduction DataParallel::average_gradients(const std::vector<to
                                         : torch::zeros({p.numel()}, p.options().dtype(dtype)));
   }
   // Riding along: the loss, and whether this rank was asked to stop (by SIGINT, by SIGTERM).
-  pieces.push_back(torch::tensor({local_loss, local_stop_signal == SIGINT ? 1.0 : 0.0,
-                                  local_stop_signal == SIGTERM ? 1.0 : 0.0},
-                                 torch::TensorOptions().dtype(torch::kDouble))
-                       .to(device, dtype));
+  pieces.push_back(
+      torch::tensor({local_loss, local_stop_signal == SIGINT ? 1.0 : 0.0, local_stop_signal == SIGTERM ? 1.0 : 0.0},
+                    torch::TensorOptions().dtype(torch::kDouble))
+          .to(device, dtype));
   std::vector<torch::Tensor> buffer{torch::cat(pieces)};
   run_collective(env_, timeout_, ++collectives_, "all-reduce of the gradients",
                  [&] { return group_->collectives->allreduce(buffer, c10d::AllreduceOptions()); });
@@ -288,8 +292,9 @@ struct DataParallel::Group {};
 
 DataParallel::DataParallel(const DistributedEnv& env, const std::string& backend, std::chrono::milliseconds timeout)
     : env_(env), backend_(backend), timeout_(timeout) {
-  throw DistributedConfigError("this build of qkv-train has no distributed support (c10d's headers were not found "
-                               "when it was built)");
+  throw DistributedConfigError(
+      "this build of qkv-train has no distributed support (c10d's headers were not found "
+      "when it was built)");
 }
 DataParallel::~DataParallel() = default;
 void DataParallel::broadcast_from_main(const std::vector<torch::Tensor>&) {}

@@ -55,9 +55,9 @@ std::string pick_backend(const qkv_train::RunConfig& config, const torch::Device
   if (config.dist_backend == "nccl") {
     if (!device.is_cuda()) throw qkv_train::DistributedConfigError("--dist-backend nccl needs --device cuda");
     if (env.local_world_size > gpus) {
-      throw qkv_train::DistributedConfigError(
-          "--dist-backend nccl needs a GPU per process: this machine has " + std::to_string(gpus) + " for " +
-          std::to_string(env.local_world_size) + " processes (--dist-backend gloo can share one)");
+      throw qkv_train::DistributedConfigError("--dist-backend nccl needs a GPU per process: this machine has " +
+                                              std::to_string(gpus) + " for " + std::to_string(env.local_world_size) +
+                                              " processes (--dist-backend gloo can share one)");
     }
   }
   if (config.dist_backend != "auto") return config.dist_backend;
@@ -96,8 +96,9 @@ int main(int argc, char** argv) {
   // 2. --nproc: this process only launches the ranks and waits for them.
   if (config.nproc > 1) {
     if (env) {
-      std::fprintf(stderr, "qkv-train: error: --nproc starts its own processes, but RANK and WORLD_SIZE are already "
-                           "set (torchrun?); use one or the other\n");
+      std::fprintf(stderr,
+                   "qkv-train: error: --nproc starts its own processes, but RANK and WORLD_SIZE are already "
+                   "set (torchrun?); use one or the other\n");
       return 2;
     }
     try {

@@ -94,21 +94,25 @@ nlohmann::json model_options(const RunConfig& config) {
 nlohmann::json to_json(const RunConfig& config) {
   nlohmann::json json = nlohmann::json::object();
   for (const auto& f : fields()) json[f.key] = f.get(config);
-  json.update({{"device", config.device_name}, {"threads", config.threads}, {"init_weights", config.init_weights},
-               {"dist_backend", config.dist_backend}, {"dist_timeout_s", config.dist_timeout_s}});
+  json.update({{"device", config.device_name},
+               {"threads", config.threads},
+               {"init_weights", config.init_weights},
+               {"dist_backend", config.dist_backend},
+               {"dist_timeout_s", config.dist_timeout_s}});
   return json;
 }
 
-void take_unset_options(RunConfig& config, const nlohmann::json& saved,
-                        const std::function<bool(const char*)>& given) {
+void take_unset_options(RunConfig& config, const nlohmann::json& saved, const std::function<bool(const char*)>& given) {
   const auto current = to_json(config);
   for (const auto& f : fields()) {
     if (!saved.contains(f.key)) continue;  // a checkpoint of an older qkv-train: keep the default
     if (!given(f.flag.c_str())) {
       f.set(config, saved.at(f.key));
     } else if (f.role == Role::RunWarn && current.at(f.key) != saved.at(f.key)) {
-      spdlog::warn("--resume with {} {} (the checkpoint's run used {}): the losses will differ from an uninterrupted "
-                   "run", f.flag, current.at(f.key).dump(), saved.at(f.key).dump());
+      spdlog::warn(
+          "--resume with {} {} (the checkpoint's run used {}): the losses will differ from an uninterrupted "
+          "run",
+          f.flag, current.at(f.key).dump(), saved.at(f.key).dump());
     }
   }
 }

@@ -3,8 +3,8 @@
 // task_registry.cpp.
 #pragma once
 
-#include <nlohmann/json.hpp>
 #include <torch/types.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdint>
@@ -24,8 +24,8 @@ class UsageError : public std::runtime_error {
 };
 
 struct RunConfig {
-  std::string task = "seed";          // a name in task_registry()
-  std::string device_name = "auto";   // auto | cpu | cuda
+  std::string task = "seed";         // a name in task_registry()
+  std::string device_name = "auto";  // auto | cpu | cuda
   std::string dtype_name = "float32";
   // Sizes and training; 0 = the task's default (see TaskDefaults).
   int64_t d_model = 0;
@@ -59,9 +59,9 @@ struct RunConfig {
   bool generate = false;      // sample text from --resume / --init-weights instead of training
   std::string prompt;
   int64_t max_new_tokens = 200;
-  double temperature = 0.8;   // 0 = greedy
-  int64_t top_k = 0;          // 0 = unset (all tokens); else only the k most likely
-  bool no_kv_cache = false;   // generation recomputes the whole prefix each token (for comparison)
+  double temperature = 0.8;  // 0 = greedy
+  int64_t top_k = 0;         // 0 = unset (all tokens); else only the k most likely
+  bool no_kv_cache = false;  // generation recomputes the whole prefix each token (for comparison)
   // Data parallelism (see distributed.h): ranks come from torchrun's environment or --nproc.
   int nproc = 1;                      // > 1: start this many ranks on this machine
   std::string dist_backend = "auto";  // auto | gloo | nccl

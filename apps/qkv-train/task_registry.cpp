@@ -11,10 +11,10 @@ namespace qkv_train {
 namespace {
 
 // The options of every trained task: checkpoints, resume, initial weights, data parallelism.
-const std::vector<std::string> kTrainedFlags{
-    "--batch",      "--steps",           "--lr",     "--dtype",       "--log-every",      "--eval-every",
-    "--out",        "--checkpoint-every", "--resume", "--init-weights", "--nproc",          "--dist-backend",
-    "--dist-timeout", "--save-replicas"};
+const std::vector<std::string> kTrainedFlags{"--batch",        "--steps",        "--lr",    "--dtype",
+                                             "--log-every",    "--eval-every",   "--out",   "--checkpoint-every",
+                                             "--resume",       "--init-weights", "--nproc", "--dist-backend",
+                                             "--dist-timeout", "--save-replicas"};
 
 std::vector<std::string> with_trained_flags(std::vector<std::string> flags) {
   flags.insert(flags.end(), kTrainedFlags.begin(), kTrainedFlags.end());
@@ -47,11 +47,12 @@ std::vector<TaskSpec> make_registry() {
   reverse.name = "reverse";
   reverse.description = "output position i copies input position N-1-i (attention learns the anti-diagonal)";
   reverse.defaults = {48, 1, 16, 64, 800, 0.01, 50, 100};
-  reverse.flags = with_trained_flags({"--d-model", "--heads", "--kv-heads", "--seq-len", "--optimizer", "--causal",
-                                      "--scale"});
+  reverse.flags =
+      with_trained_flags({"--d-model", "--heads", "--kv-heads", "--seq-len", "--optimizer", "--causal", "--scale"});
   reverse.check = [](const RunConfig& c) -> std::string {
     if (c.d_model <= c.seq_len) {
-      return "--task reverse needs --d-model > --seq-len (each token is content plus a one-hot position), got d_model " +
+      return "--task reverse needs --d-model > --seq-len (each token is content plus a one-hot position), got "
+             "d_model " +
              std::to_string(c.d_model) + " and seq_len " + std::to_string(c.seq_len);
     }
     return divisible_heads(c);
@@ -100,7 +101,8 @@ std::vector<TaskSpec> make_registry() {
              std::to_string(c.d_model / c.heads);
     }
     if (c.generate && c.resume_dir.empty() && c.init_weights.empty()) {
-      return "--generate needs a trained model: --resume DIR (a qkv-train --task lm --out folder) or --init-weights FILE";
+      return "--generate needs a trained model: --resume DIR (a qkv-train --task lm --out folder) or --init-weights "
+             "FILE";
     }
     if (c.generate && c.nproc > 1) return "--generate runs in one process; leave out --nproc";
     return "";
@@ -133,7 +135,7 @@ const TaskSpec& find_task(const std::string& name) {
 }
 
 const std::vector<std::string>& common_flags() {
-  static const std::vector<std::string> flags{"--task", "--device", "--seed",  "--threads",
+  static const std::vector<std::string> flags{"--task", "--device", "--seed",     "--threads",
                                               "--json", "--quiet",  "--log-level"};
   return flags;
 }

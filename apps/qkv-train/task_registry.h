@@ -6,8 +6,8 @@
 #include "run_config.h"
 #include "trainable_task.h"
 
-#include <nlohmann/json.hpp>
 #include <torch/types.h>
+#include <nlohmann/json.hpp>
 
 #include <functional>
 #include <memory>

@@ -9,8 +9,8 @@
 
 #include <qkv/functional.h>
 
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <memory>

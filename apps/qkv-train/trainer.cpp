@@ -79,7 +79,9 @@ double global_grad_norm(const std::vector<torch::Tensor>& parameters) {
 class Trainer {
  public:
   Trainer(const RunConfig& config, const torch::Device& device, DataParallel* parallel)
-      : config_(config), device_(device), parallel_(parallel),
+      : config_(config),
+        device_(device),
+        parallel_(parallel),
         is_main_(parallel == nullptr || parallel->is_main()),
         out_(is_main_ ? fs::path(config.out_dir) : fs::path()),  // ranks other than 0 write nothing
         task_(find_task(config.task).make(config, device)),
@@ -210,7 +212,8 @@ class Trainer {
       // Mean gradient of the whole batch; every replica learns the batch's loss and whether any was told to stop.
       const auto agreed = parallel_->average_gradients(parameters_, last_loss_, stop);
       last_loss_ = agreed.mean_loss;
-      if (agreed.stop_signal != 0 && stop == 0) spdlog::warn("another rank received signal {}: stopping with it", agreed.stop_signal);
+      if (agreed.stop_signal != 0 && stop == 0)
+        spdlog::warn("another rank received signal {}: stopping with it", agreed.stop_signal);
       stop = agreed.stop_signal;
     }
     if (!std::isfinite(last_loss_)) {
@@ -270,10 +273,14 @@ class Trainer {
     if (parallel_ != nullptr && config_.save_replicas && !config_.out_dir.empty()) {
       std::error_code error;
       fs::create_directories(config_.out_dir, error);
-      task_->save_weights((fs::path(config_.out_dir) / ("replica-" + std::to_string(parallel_->rank()) + ".pt")).string());
+      task_->save_weights(
+          (fs::path(config_.out_dir) / ("replica-" + std::to_string(parallel_->rank()) + ".pt")).string());
     }
     if (!is_main_) return {nlohmann::json::object(), exit_code};  // the replicas are identical to rank 0's
 
+    // The training's pace, before the final evaluation adds its own time.
+    const double wall_time = progress.elapsed_seconds(), steps_per_s = progress.steps_per_second();
+    const double tokens_per_s = progress.tokens_per_second();
     const auto figures = task_->evaluate();
     nlohmann::json evaluation = nlohmann::json::object();
     const auto keys = task_->evaluation_keys();
@@ -290,14 +297,15 @@ class Trainer {
         {"initial_loss", initial_loss_.value_or(last_loss_)},
         {"final_loss", last_loss_},
         {"eval", evaluation},
-        {"wall_time_s", progress.elapsed_seconds()},
-        {"steps_per_s", progress.steps_per_second()},
-        {"tokens_per_s", progress.tokens_per_second()},
+        {"wall_time_s", wall_time},
+        {"steps_per_s", steps_per_s},
+        {"tokens_per_s", tokens_per_s},
     };
     summary.update(task_->summary_extras());
     if (exit_code != 0) summary["stopped_by_signal"] = exit_code - 128;
     if (parallel_ != nullptr) {
-      summary["distributed"] = {{"world_size", parallel_->world_size()}, {"backend", parallel_->backend()},
+      summary["distributed"] = {{"world_size", parallel_->world_size()},
+                                {"backend", parallel_->backend()},
                                 {"examples_per_rank", shard_.size}};
     }
     if (!out_.empty()) {

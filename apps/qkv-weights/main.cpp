@@ -11,8 +11,8 @@
 
 #include <qkv/qkv.h>
 
-#include <CLI/CLI.hpp>
 #include <torch/torch.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 
@@ -60,8 +60,9 @@ qkv::TransformerBlockOptions block_options_for(const std::map<std::string, torch
   const auto fc_weight = find(tensors, "mlp_fc.weight");
   if (!query_weight.defined() || !key_weight.defined() || !fc_weight.defined() || query_weight.dim() != 2 ||
       fc_weight.dim() != 2 || fc_weight.size(0) % query_weight.size(0) != 0) {
-    throw std::runtime_error("not a TransformerBlock's weights (attn.W_q.weight, attn.W_k.weight, mlp_fc.weight); "
-                             "see `qkv-weights inspect`");
+    throw std::runtime_error(
+        "not a TransformerBlock's weights (attn.W_q.weight, attn.W_k.weight, mlp_fc.weight); "
+        "see `qkv-weights inspect`");
   }
   return qkv::TransformerBlockOptions(query_weight.size(0), heads)
       .num_kv_heads(kv_heads_for(query_weight, key_weight, heads))
@@ -73,7 +74,8 @@ qkv::TransformerBlockOptions block_options_for(const std::map<std::string, torch
 
 // The tensors of a torch.save'd dict; other entries (notes, numbers) are left out.
 std::map<std::string, torch::Tensor> read_inputs(const std::string& path) {
-  const auto value = qkv::detail::read_torch_file(qkv::detail::read_file_bytes(path, "qkv-weights"), path, "qkv-weights");
+  const auto value =
+      qkv::detail::read_torch_file(qkv::detail::read_file_bytes(path, "qkv-weights"), path, "qkv-weights");
   if (!value.isGenericDict()) throw std::runtime_error(path + " holds a " + value.tagKind() + ", not a dict");
   std::map<std::string, torch::Tensor> tensors;
   for (const auto& entry : value.toGenericDict()) {
@@ -110,12 +112,15 @@ int main(int argc, char** argv) {
   inspect->add_option("FILE", in, "A file written by torch.save")->required()->check(CLI::ExistingFile);
 
   auto* convert = app.add_subcommand("convert", "Rewrite weights in qkv's layout (the documents' key names)");
-  convert->add_option("IN", in, "Weights (documents' or nn.MultiheadAttention layout)")->required()->check(CLI::ExistingFile);
+  convert->add_option("IN", in, "Weights (documents' or nn.MultiheadAttention layout)")
+      ->required()
+      ->check(CLI::ExistingFile);
   convert->add_option("OUT", out, "Output file")->required();
   convert->add_option("--heads", heads, "Heads of the module")->check(CLI::Range(int64_t{1}, int64_t{4096}));
 
-  auto* forward = app.add_subcommand("forward", "Run the module (SelfAttention or TransformerBlock) on "
-                                      "INPUT[\"query\"] and write {\"output\": ...}");
+  auto* forward = app.add_subcommand("forward",
+                                     "Run the module (SelfAttention or TransformerBlock) on "
+                                     "INPUT[\"query\"] and write {\"output\": ...}");
   forward->add_option("WEIGHTS", in, "Weights file")->required()->check(CLI::ExistingFile);
   // LibTorch 1.13 cannot unpickle a one-entry dict (opcode SETITEM): add any second entry.
   forward->add_option("INPUT", input, "torch.save'd dict with \"query\" (and optional \"context\"), 2+ entries")
@@ -151,7 +156,8 @@ int main(int argc, char** argv) {
       torch::Tensor result;
       if (inputs.count("context")) {
         auto* attention = module.ptr()->as<qkv::SelfAttentionImpl>();
-        if (attention == nullptr) throw std::runtime_error("a TransformerBlock takes no \"context\" (self-attention only)");
+        if (attention == nullptr)
+          throw std::runtime_error("a TransformerBlock takes no \"context\" (self-attention only)");
         result = attention->forward(query, inputs.at("context").to(dtype));
       } else {
         result = module.forward(query);

@@ -21,11 +21,8 @@ struct AttentionResult {
 /// leading dimensions of q, k and v are equal (with `enable_gqa`, k and v may have fewer heads in
 /// dimension -3). A query row whose keys are all masked gets a zero output and zero gradients,
 /// never NaN. Throws c10::Error naming the argument for inputs that do not fit.
-AttentionResult scaled_dot_product_attention(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const ScaledDotProductAttentionOptions& options = {});
+AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                             const ScaledDotProductAttentionOptions& options = {});
 
 /// The backend scaled_dot_product_attention runs for inputs of these shapes, dtype and device
 /// with these options (Auto resolved): what ran can be reported without keeping any state. Only

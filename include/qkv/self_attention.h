@@ -19,8 +19,8 @@ namespace qkv {
 
 /// What forward_with_weights returns.
 struct SelfAttentionOutput {
-  torch::Tensor output;   // (B, N, E) batched, (N, E) unbatched
-  torch::Tensor weights;  // (B, H, N, S) batched, (H, N, S) unbatched; each row sums to 1
+  torch::Tensor output;                               // (B, N, E) batched, (N, E) unbatched
+  torch::Tensor weights;                              // (B, H, N, S) batched, (H, N, S) unbatched; each row sums to 1
   AttentionBackend backend = AttentionBackend::Math;  // the backend that computed it
 };
 
@@ -41,8 +41,7 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
   /// Self-attention on `query` (N, E) or (B, N, E) when `context` is undefined; else
   /// cross-attention from `query` to `context` (S, kdim) or (B, S, kdim). Returns (…, N, E).
   /// Callable with one argument by torch::nn::Sequential and AnyModule.
-  torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& context = {},
-                        const AttentionMask& mask = {});
+  torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& context = {}, const AttentionMask& mask = {});
 
   /// forward, and the softmax weights (always computed by the math backend).
   SelfAttentionOutput forward_with_weights(const torch::Tensor& query, const torch::Tensor& context = {},

@@ -27,8 +27,8 @@ PreparedMask prepare_mask(const ScaledDotProductAttentionOptions& options, const
   if (user_mask.defined() && user_mask.is_floating_point()) user_mask = user_mask.to(q.scalar_type());
   if (options.key_lengths().defined()) {
     // Key lengths as a mask: (B, 1, 1, S), true for the first key_lengths[b] keys.
-    const auto keys = key_mask_from_lengths(options.key_lengths(), num_keys)
-                          .view({options.key_lengths().size(0), 1, 1, num_keys});
+    const auto keys =
+        key_mask_from_lengths(options.key_lengths(), num_keys).view({options.key_lengths().size(0), 1, 1, num_keys});
     if (!user_mask.defined()) {
       user_mask = keys;
     } else if (user_mask.scalar_type() == torch::kBool) {
@@ -53,7 +53,7 @@ PreparedMask prepare_mask(const ScaledDotProductAttentionOptions& options, const
   // every row is empty, but then the products are empty sums and already give zero.
   if (user_mask.defined() && num_keys > 0) {
     prepared.dead_rows = mask.scalar_type() == torch::kBool ? mask.logical_not().all(/*dim=*/-1, /*keepdim=*/true)
-                                                           : (mask == kNegInf).all(/*dim=*/-1, /*keepdim=*/true);
+                                                            : (mask == kNegInf).all(/*dim=*/-1, /*keepdim=*/true);
   }
   return prepared;
 }

@@ -17,8 +17,8 @@ AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, 
   const int64_t num_keys = k.size(-2);
   // Without a user mask, a square causal pattern goes to the kernels as is_causal, which lets
   // them skip the masked half. Everything else becomes one explicit mask.
-  const bool kernel_causal = options.causal() && !options.mask().defined() && !options.key_lengths().defined() &&
-                             num_queries == num_keys;
+  const bool kernel_causal =
+      options.causal() && !options.mask().defined() && !options.key_lengths().defined() && num_queries == num_keys;
   c10::optional<torch::Tensor> mask;
   torch::Tensor dead_rows;
   if (!kernel_causal && (options.mask().defined() || options.key_lengths().defined() || options.causal())) {

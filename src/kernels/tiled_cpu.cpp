@@ -18,8 +18,8 @@
 //
 // B = batch, H = query heads, Hkv = key/value heads, G = H / Hkv, N = query rows, S = keys,
 // D = head width, Dv = value width, Br / Bc = rows / keys per block.
-#include "kernels/kernels.h"
 #include "kernels/tiled_cpu.h"
+#include "kernels/kernels.h"
 #include "kernels/vector_math.h"
 
 #include <ATen/Parallel.h>
@@ -77,7 +77,9 @@ class DropoutStream {
  public:
   DropoutStream(uint64_t seed, double p)
       : philox_{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)},
-        threshold_(static_cast<uint64_t>(p * 4294967296.0)), scale_(p > 0 ? 1.0 / (1.0 - p) : 1.0), active_(p > 0) {}
+        threshold_(static_cast<uint64_t>(p * 4294967296.0)),
+        scale_(p > 0 ? 1.0 / (1.0 - p) : 1.0),
+        active_(p > 0) {}
 
   bool active() const { return active_; }
   double scale() const { return scale_; }
@@ -166,7 +168,9 @@ template <typename T>
 struct Matrix4 {
   const T* data = nullptr;
   int64_t stride_b = 0, stride_h = 0, stride_row = 0;
-  const T* rows(int64_t b, int64_t h, int64_t row) const { return data + b * stride_b + h * stride_h + row * stride_row; }
+  const T* rows(int64_t b, int64_t h, int64_t row) const {
+    return data + b * stride_b + h * stride_h + row * stride_row;
+  }
 };
 
 template <typename T>
@@ -276,7 +280,8 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         const int64_t cols = std::min(kKeysPerBlock, key_end - j0);
         int64_t ldk = 0, ldv = 0;
         const acc_t* k_rows = rows_as<scalar_t, acc_t>(k.rows(b, kv_head, j0), k.stride_row, cols, p.D, k_scratch, ldk);
-        const acc_t* v_rows = rows_as<scalar_t, acc_t>(v.rows(b, kv_head, j0), v.stride_row, cols, p.Dv, v_scratch, ldv);
+        const acc_t* v_rows =
+            rows_as<scalar_t, acc_t>(v.rows(b, kv_head, j0), v.stride_row, cols, p.Dv, v_scratch, ldv);
         // Steps 1 and 2: scaled scores of the block.
         gemm<acc_t>(false, true, rows, cols, p.D, p.scale, q_rows, ldq, k_rows, ldk, acc_t(0), scores.data(), cols);
         p.apply_masks(b, h, i0, rows, j0, cols, scores.data(), cols);
@@ -309,7 +314,8 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         const bool dead = row_sum[r] == acc_t(0);
         const acc_t inverse = dead ? acc_t(0) : acc_t(1) / row_sum[r];
         for (int64_t d = 0; d < p.Dv; ++d) out_row[d] = static_cast<scalar_t>(accumulator[r * p.Dv + d] * inverse);
-        lse[(b * p.H + h) * p.N + i] = dead ? std::numeric_limits<acc_t>::infinity() : row_max[r] + std::log(row_sum[r]);
+        lse[(b * p.H + h) * p.N + i] =
+            dead ? std::numeric_limits<acc_t>::infinity() : row_max[r] + std::log(row_sum[r]);
       }
     }
   });
@@ -357,7 +363,8 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
         }
         int64_t ldk = 0, ldv = 0;
         const acc_t* k_rows = rows_as<scalar_t, acc_t>(k.rows(b, kv_head, j0), k.stride_row, cols, p.D, k_scratch, ldk);
-        const acc_t* v_rows = rows_as<scalar_t, acc_t>(v.rows(b, kv_head, j0), v.stride_row, cols, p.Dv, v_scratch, ldv);
+        const acc_t* v_rows =
+            rows_as<scalar_t, acc_t>(v.rows(b, kv_head, j0), v.stride_row, cols, p.Dv, v_scratch, ldv);
         std::fill(grad_k_block.begin(), grad_k_block.end(), acc_t(0));
         std::fill(grad_v_block.begin(), grad_v_block.end(), acc_t(0));
         for (int64_t g = 0; g < G; ++g) {
@@ -451,9 +458,12 @@ Shaped to_four_dims(const torch::Tensor& q, const torch::Tensor& k, const torch:
   scores_shape.back() = k.size(-2);
   auto as_four = [&](const torch::Tensor& t) -> torch::Tensor {
     switch (t.dim()) {
-      case 2: return t.unsqueeze(0).unsqueeze(0);
-      case 3: return grouped ? t.unsqueeze(0) : t.unsqueeze(1);
-      case 4: return t;
+      case 2:
+        return t.unsqueeze(0).unsqueeze(0);
+      case 3:
+        return grouped ? t.unsqueeze(0) : t.unsqueeze(1);
+      case 4:
+        return t;
       default: {
         std::vector<int64_t> shape{-1, t.size(-3), t.size(-2), t.size(-1)};
         return t.reshape(shape);
@@ -502,8 +512,8 @@ template <typename scalar_t, typename acc_t>
 std::pair<torch::Tensor, torch::Tensor> run_forward(const torch::Tensor& q, const torch::Tensor& k,
                                                     const torch::Tensor& v, const torch::Tensor& mask,
                                                     const torch::Tensor& key_lengths, const Settings& settings) {
-  const auto p = problem_of<acc_t>(q, k, v, mask, key_lengths, settings.scale, settings.causal, settings.dropout,
-                                   settings.seed);
+  const auto p =
+      problem_of<acc_t>(q, k, v, mask, key_lengths, settings.scale, settings.causal, settings.dropout, settings.seed);
   auto out = torch::empty({p.B, p.H, p.N, p.Dv}, q.options());
   auto lse = torch::empty({p.B, p.H, p.N}, q.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
   forward_blocks<scalar_t, acc_t>(p, view_of<scalar_t>(q), view_of<scalar_t>(k), view_of<scalar_t>(v),
@@ -516,16 +526,16 @@ std::vector<torch::Tensor> run_backward(const torch::Tensor& q, const torch::Ten
                                         const torch::Tensor& mask, const torch::Tensor& key_lengths,
                                         const torch::Tensor& out, const torch::Tensor& lse,
                                         const torch::Tensor& grad_out, const Settings& settings) {
-  const auto p = problem_of<acc_t>(q, k, v, mask, key_lengths, settings.scale, settings.causal, settings.dropout,
-                                   settings.seed);
+  const auto p =
+      problem_of<acc_t>(q, k, v, mask, key_lengths, settings.scale, settings.causal, settings.dropout, settings.seed);
   auto grad_q = torch::empty({p.B, p.H, p.N, p.D}, q.options());
   auto grad_k = torch::empty({p.B, p.Hkv, p.S, p.D}, k.options());
   auto grad_v = torch::empty({p.B, p.Hkv, p.S, p.Dv}, v.options());
   const auto grad = grad_out.contiguous();
   backward_blocks<scalar_t, acc_t>(p, view_of<scalar_t>(q), view_of<scalar_t>(k), view_of<scalar_t>(v),
-                                   out.template data_ptr<scalar_t>(), grad.template data_ptr<scalar_t>(), lse.template data_ptr<acc_t>(),
-                                   grad_q.template data_ptr<scalar_t>(), grad_k.template data_ptr<scalar_t>(),
-                                   grad_v.template data_ptr<scalar_t>());
+                                   out.template data_ptr<scalar_t>(), grad.template data_ptr<scalar_t>(),
+                                   lse.template data_ptr<acc_t>(), grad_q.template data_ptr<scalar_t>(),
+                                   grad_k.template data_ptr<scalar_t>(), grad_v.template data_ptr<scalar_t>());
   return {grad_q, grad_k, grad_v};
 }
 
@@ -548,9 +558,15 @@ class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFu
     const Settings settings{scale, dropout, causal, static_cast<uint64_t>(seed)};
     std::pair<torch::Tensor, torch::Tensor> result;
     switch (q.scalar_type()) {
-      case torch::kDouble: result = run_forward<double, double>(q, k, v, mask, key_lengths, settings); break;
-      case torch::kBFloat16: result = run_forward<c10::BFloat16, float>(q, k, v, mask, key_lengths, settings); break;
-      default: result = run_forward<float, float>(q, k, v, mask, key_lengths, settings); break;
+      case torch::kDouble:
+        result = run_forward<double, double>(q, k, v, mask, key_lengths, settings);
+        break;
+      case torch::kBFloat16:
+        result = run_forward<c10::BFloat16, float>(q, k, v, mask, key_lengths, settings);
+        break;
+      default:
+        result = run_forward<float, float>(q, k, v, mask, key_lengths, settings);
+        break;
     }
     ctx->save_for_backward({q, k, v, mask, key_lengths, result.first, result.second});
     ctx->saved_data["scale"] = scale;
@@ -570,18 +586,19 @@ class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFu
     std::vector<torch::Tensor> grads;
     switch (q.scalar_type()) {
       case torch::kDouble:
-        grads = run_backward<double, double>(q, k, v, saved[3], saved[4], saved[5], saved[6], grad_outputs[0], settings);
+        grads =
+            run_backward<double, double>(q, k, v, saved[3], saved[4], saved[5], saved[6], grad_outputs[0], settings);
         break;
       case torch::kBFloat16:
         grads = run_backward<c10::BFloat16, float>(q, k, v, saved[3], saved[4], saved[5], saved[6], grad_outputs[0],
-                                                    settings);
+                                                   settings);
         break;
       default:
         grads = run_backward<float, float>(q, k, v, saved[3], saved[4], saved[5], saved[6], grad_outputs[0], settings);
         break;
     }
-    return {grads[0], grads[1], grads[2], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor(), torch::Tensor()};
+    return {grads[0],        grads[1],        grads[2],        torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -608,14 +625,16 @@ bool tiled_uses_blas() {
 
 AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                           const ScaledDotProductAttentionOptions& options, uint64_t seed) {
-  TORCH_CHECK(tiled_supports(q), "scaled_dot_product_attention: the tiled backend runs on the CPU in float32, float64 "
-              "or bfloat16, got ", q.scalar_type(), " on ", q.device());
+  TORCH_CHECK(tiled_supports(q),
+              "scaled_dot_product_attention: the tiled backend runs on the CPU in float32, float64 "
+              "or bfloat16, got ",
+              q.scalar_type(), " on ", q.device());
   const bool grouped = options.enable_gqa() && query_groups(q, k) > 1;
   const auto shaped = to_four_dims(q, k, v, kernel_mask(options.mask(), q.scalar_type()), grouped);
   const auto& lengths = options.key_lengths();
   // Absent masks go to the autograd::Function as empty tensors (it takes no undefined ones).
-  const auto key_lengths = lengths.defined() ? lengths.to(torch::kCPU, torch::kLong).contiguous()
-                                             : torch::empty({0}, torch::kLong);
+  const auto key_lengths =
+      lengths.defined() ? lengths.to(torch::kCPU, torch::kLong).contiguous() : torch::empty({0}, torch::kLong);
   const auto mask = shaped.mask.defined() ? shaped.mask : torch::empty({0}, torch::kBool);
   const double dropout = options.training() ? options.dropout() : 0.0;
   auto output = TiledAttentionFunction::apply(shaped.q, shaped.k, shaped.v, mask, key_lengths,

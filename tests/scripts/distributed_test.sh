@@ -67,11 +67,17 @@ echo "SIGTERM: the job exited with $status"
 # 4. torchrun, as PyTorch users launch jobs. Debian's torchrun 1.13 fails under Python 3.11 with its
 #    default --redirects/--tee (a Flag enum change); giving both explicitly avoids it.
 if [[ -x /usr/bin/torchrun ]]; then
-  /usr/bin/torchrun --redirects 1 --tee 1 --master_port "$(free_port)" --no_python --nproc_per_node 2 \
-    "$train" --task reverse --device cpu --steps 20 --quiet --out "$work/torchrun" > "$work/torchrun.log" 2>&1 ||
+  # USE_LIBUV=0: PyTorch >= 2.4 makes its TCPStore ask for libuv, which Debian's builds lack.
+  if USE_LIBUV=0 /usr/bin/torchrun --redirects 1 --tee 1 --master_port "$(free_port)" --no_python --nproc_per_node 2 \
+    "$train" --task reverse --device cpu --steps 20 --quiet --out "$work/torchrun" > "$work/torchrun.log" 2>&1; then
+    grep -q '"world_size": 2' "$work/torchrun/summary.json" || fail "torchrun job did not run on 2 ranks"
+    echo "torchrun --nproc_per_node 2: ok"
+  elif grep -q "built without libuv support" "$work/torchrun.log"; then
+    # torchrun's own rendezvous (Python) fails before any rank starts: not qkv-train's to fix.
+    echo "torchrun cannot start here: its own TCPStore asks for libuv, which this PyTorch lacks; skipped its case"
+  else
     fail "torchrun job failed: $(tail -20 "$work/torchrun.log")"
-  grep -q '"world_size": 2' "$work/torchrun/summary.json" || fail "torchrun job did not run on 2 ranks"
-  echo "torchrun --nproc_per_node 2: ok"
+  fi
 else
   echo "torchrun not installed: skipped its case"
 fi

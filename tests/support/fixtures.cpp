@@ -5,8 +5,8 @@
 
 #include <cmath>
 #include <fstream>
-#include <limits>
 #include <iterator>
+#include <limits>
 #include <sstream>
 
 namespace qkv_test {
@@ -44,9 +44,7 @@ double Fixture::real(const std::string& key) const {
 
 std::string Fixture::text(const std::string& key) const { return dict_.at(key).toStringRef(); }
 
-bool Fixture::flag(const std::string& key, bool fallback) const {
-  return has(key) ? dict_.at(key).toBool() : fallback;
-}
+bool Fixture::flag(const std::string& key, bool fallback) const { return has(key) ? dict_.at(key).toBool() : fallback; }
 
 qkv::SelfAttention Fixture::make_module() const {
   qkv::SelfAttentionOptions options(integer("config.d_model"));
@@ -96,10 +94,14 @@ double tolerance_for(torch::ScalarType dtype, int64_t reduction_length) {
   const bool half = dtype == torch::kBFloat16 || dtype == torch::kHalf;
   auto epsilon = [](torch::ScalarType t) {
     switch (t) {
-      case torch::kDouble: return std::numeric_limits<double>::epsilon();
-      case torch::kBFloat16: return 0.0078125;      // 2^-7: 8 significant bits
-      case torch::kHalf: return 0.0009765625;       // 2^-10: 11 significant bits
-      default: return static_cast<double>(std::numeric_limits<float>::epsilon());
+      case torch::kDouble:
+        return std::numeric_limits<double>::epsilon();
+      case torch::kBFloat16:
+        return 0.0078125;  // 2^-7: 8 significant bits
+      case torch::kHalf:
+        return 0.0009765625;  // 2^-10: 11 significant bits
+      default:
+        return static_cast<double>(std::numeric_limits<float>::epsilon());
     }
   };
   const double storage_epsilon = epsilon(dtype);
@@ -128,8 +130,8 @@ double relative_error(const torch::Tensor& actual, const torch::Tensor& expected
   return difference / denominator;
 }
 
-::testing::AssertionResult tensors_close(const torch::Tensor& actual, const torch::Tensor& expected,
-                                         double tolerance, double scale) {
+::testing::AssertionResult tensors_close(const torch::Tensor& actual, const torch::Tensor& expected, double tolerance,
+                                         double scale) {
   if (!actual.defined() || !expected.defined()) {
     return ::testing::AssertionFailure() << "undefined tensor";
   }

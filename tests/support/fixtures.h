@@ -60,8 +60,8 @@ double tolerance_for(torch::ScalarType dtype, int64_t reduction_length);
 double relative_error(const torch::Tensor& actual, const torch::Tensor& expected, double scale = 0.0);
 
 /// gtest assertion: same shape and relative_error(actual, expected, scale) <= tolerance.
-::testing::AssertionResult tensors_close(const torch::Tensor& actual, const torch::Tensor& expected,
-                                         double tolerance, double scale = 0.0);
+::testing::AssertionResult tensors_close(const torch::Tensor& actual, const torch::Tensor& expected, double tolerance,
+                                         double scale = 0.0);
 
 /// What AttentionBackend::Auto runs on the CPU for float32 inputs without weights, as documented:
 /// the tiled kernel where qkv was built with a BLAS, else the fused one where LibTorch has it, else math.

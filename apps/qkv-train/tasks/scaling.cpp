@@ -57,11 +57,10 @@ void measure_softmax(DkFigures& f) {
   for (int variant = 0; variant < 2; ++variant) {
     auto q = q0.clone().requires_grad_(true);
     auto k = k0.clone().requires_grad_(true);
-    auto result = qkv::scaled_dot_product_attention(
-        q, k, v,
-        qkv::ScaledDotProductAttentionOptions()
-            .scale(variant == 0 ? c10::nullopt : c10::optional<double>(1.0))
-            .need_weights(true));
+    auto result = qkv::scaled_dot_product_attention(q, k, v,
+                                                    qkv::ScaledDotProductAttentionOptions()
+                                                        .scale(variant == 0 ? c10::nullopt : c10::optional<double>(1.0))
+                                                        .need_weights(true));
     auto weights = result.weights.detach();  // (rows, 1, keys)
     f.max_weight[variant] = std::get<0>(weights.max(-1)).mean().item<double>();
     f.entropy[variant] = -(weights * weights.clamp_min(1e-300).log()).sum(-1).mean().item<double>();
@@ -70,7 +69,7 @@ void measure_softmax(DkFigures& f) {
     f.grad_qk_median[variant] = qk_norm.median().item<double>();
     f.grad_qk_mean[variant] = qk_norm.mean().item<double>();
     // Softmax's backward: dL/ds = p ⊙ (g - Σ p g), with g = dL/dp = upstream · vᵀ.
-    const auto g = torch::matmul(upstream, v.transpose(1, 2));                   // (rows, 1, keys)
+    const auto g = torch::matmul(upstream, v.transpose(1, 2));                        // (rows, 1, keys)
     const auto score_grad = weights * (g - (weights * g).sum(-1, /*keepdim=*/true));  // (rows, 1, keys)
     f.grad_scores_median[variant] = score_grad.norm(2, {1, 2}).median().item<double>();
   }
@@ -100,9 +99,10 @@ std::vector<double> train_reverse(const RunConfig& config, const torch::Device& 
 std::string softmax_text(const std::vector<double>& scores) {
   auto q = torch::ones({1, 1}, torch::kDouble);
   auto k = torch::tensor(scores, torch::kDouble).unsqueeze(1);  // q·k_j = scores[j]
-  auto weights = qkv::scaled_dot_product_attention(q, k, torch::eye(3, torch::kDouble),
-                                                   qkv::ScaledDotProductAttentionOptions().scale(1.0).need_weights(true))
-                     .weights[0];
+  auto weights =
+      qkv::scaled_dot_product_attention(q, k, torch::eye(3, torch::kDouble),
+                                        qkv::ScaledDotProductAttentionOptions().scale(1.0).need_weights(true))
+          .weights[0];
   char text[128];
   std::snprintf(text, sizeof(text), "[%.5f, %.5f, %.5f]", weights[0].item<double>(), weights[1].item<double>(),
                 weights[2].item<double>());
@@ -127,15 +127,20 @@ nlohmann::json run_scaling_task(const RunConfig& config, const torch::Device& de
   const auto unscaled_losses = train_reverse(config, device, /*scaled=*/false);
 
   // The documents' small numbers, recomputed.
-  const auto find = [&](int64_t d_k) { return *std::find_if(figures.begin(), figures.end(), [&](auto& f) { return f.d_k == d_k; }); };
+  const auto find = [&](int64_t d_k) {
+    return *std::find_if(figures.begin(), figures.end(), [&](auto& f) { return f.d_k == d_k; });
+  };
   std::printf("The documents' numbers, recomputed by qkv:\n");
-  std::printf("  softmax([20, 10, 0]) = %s   (documents: [0.9999, 0.0001, 0.0000])\n", softmax_text({20, 10, 0}).c_str());
+  std::printf("  softmax([20, 10, 0]) = %s   (documents: [0.9999, 0.0001, 0.0000])\n",
+              softmax_text({20, 10, 0}).c_str());
   std::printf("  softmax([2, 1, 0])   = %s   (documents: [0.67, 0.24, 0.09])\n", softmax_text({2, 1, 0}).c_str());
   std::printf("  d_k = 64:  std of q·k = %.2f measured over %lld pairs (documents: sqrt(64) = 8)\n",
               std::sqrt(find(64).variance), static_cast<long long>(kVarianceSamples));
   std::printf("  d_k = 512: std of q·k = %.2f measured (documents: sqrt(512) ≈ 22.6)\n", std::sqrt(find(512).variance));
-  std::printf("\nsc = scaled by 1/sqrt(d_k), unsc = unscaled; z = (Var - d_k) / standard error; gradients are "
-              "medians over %lld rows of %lld keys\n", static_cast<long long>(kRows), static_cast<long long>(kKeys));
+  std::printf(
+      "\nsc = scaled by 1/sqrt(d_k), unsc = unscaled; z = (Var - d_k) / standard error; gradients are "
+      "medians over %lld rows of %lld keys\n",
+      static_cast<long long>(kRows), static_cast<long long>(kKeys));
   std::printf("%6s %10s %6s | %15s | %15s | %19s | %19s\n", "d_k", "Var(q·k)", "z", "max weight sc/unsc",
               "entropy sc/unsc", "|dL/dscores| sc/unsc", "|dL/dq,dk| sc/unsc");
   for (const auto& f : figures) {
@@ -154,7 +159,8 @@ nlohmann::json run_scaling_task(const RunConfig& config, const torch::Device& de
               static_cast<long long>(config.d_model), static_cast<long long>(config.steps), tail_mean(scaled_losses),
               tail_mean(unscaled_losses));
   std::fflush(stdout);
-  spdlog::info("scaling experiment done in {:.1f} s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  spdlog::info("scaling experiment done in {:.1f} s",
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 
   if (!config.out_dir.empty()) {
     const fs::path out = config.out_dir;
@@ -180,7 +186,8 @@ nlohmann::json run_scaling_task(const RunConfig& config, const torch::Device& de
 
     using qkv_plot::Series;
     const auto scaled_color = qkv_plot::series_color(0), unscaled_color = qkv_plot::series_color(1);
-    Series measured{"measured Var(q.k)", {}, {}, scaled_color}, theory{"theory: d_k (hidden under it)", {}, {}, qkv_plot::series_color(5)};
+    Series measured{"measured Var(q.k)", {}, {}, scaled_color},
+        theory{"theory: d_k (hidden under it)", {}, {}, qkv_plot::series_color(5)};
     Series max_s{"scaled 1/sqrt(d_k)", {}, {}, scaled_color}, max_u{"unscaled", {}, {}, unscaled_color};
     Series grad_s = max_s, grad_u = max_u;
     for (const auto& f : figures) {
@@ -197,31 +204,50 @@ nlohmann::json run_scaling_task(const RunConfig& config, const torch::Device& de
       loss_s.x.push_back(static_cast<double>(i + 1)), loss_s.y.push_back(scaled_losses[i]);
       loss_u.x.push_back(static_cast<double>(i + 1)), loss_u.y.push_back(unscaled_losses[i]);
     }
-    qkv_plot::LinePlot variance{"1. Var(q.k) grows like d_k", "d_k", "Var(q.k)", {theory, measured}, true, true, {}, {}};
-    qkv_plot::LinePlot saturation{"2. softmax saturates unscaled", "d_k", "mean largest weight (16 keys)",
-                                  {max_s, max_u}, true, false, 0.0, 1.0};
-    qkv_plot::LinePlot gradient{"3. gradient reaching Q, K through softmax", "d_k", "median |dL/dq, dL/dk| per row",
-                                {grad_s, grad_u}, true, true, {}, {}};
-    qkv_plot::LinePlot training_plot{"reverse task, d_model " + std::to_string(config.d_model), "step",
-                                     "training loss (log scale)", {loss_s, loss_u}, false, true, {}, {}};
+    qkv_plot::LinePlot variance{
+        "1. Var(q.k) grows like d_k", "d_k", "Var(q.k)", {theory, measured}, true, true, {}, {}};
+    qkv_plot::LinePlot saturation{
+        "2. softmax saturates unscaled", "d_k", "mean largest weight (16 keys)", {max_s, max_u}, true, false, 0.0, 1.0};
+    qkv_plot::LinePlot gradient{"3. gradient reaching Q, K through softmax",
+                                "d_k",
+                                "median |dL/dq, dL/dk| per row",
+                                {grad_s, grad_u},
+                                true,
+                                true,
+                                {},
+                                {}};
+    qkv_plot::LinePlot training_plot{"reverse task, d_model " + std::to_string(config.d_model),
+                                     "step",
+                                     "training loss (log scale)",
+                                     {loss_s, loss_u},
+                                     false,
+                                     true,
+                                     {},
+                                     {}};
     qkv_plot::write_line_plots((out / "scaling.png").string(), {variance, saturation, gradient, training_plot},
                                /*panel_width=*/520, /*panel_height=*/400, /*columns=*/2);
   }
 
   nlohmann::json d_k_rows = nlohmann::json::array();
   for (const auto& f : figures) {
-    d_k_rows.push_back({{"d_k", f.d_k}, {"var_qk", f.variance}, {"var_qk_stderr", f.variance_sigma},
-                        {"max_weight_scaled", f.max_weight[0]}, {"max_weight_unscaled", f.max_weight[1]},
+    d_k_rows.push_back({{"d_k", f.d_k},
+                        {"var_qk", f.variance},
+                        {"var_qk_stderr", f.variance_sigma},
+                        {"max_weight_scaled", f.max_weight[0]},
+                        {"max_weight_unscaled", f.max_weight[1]},
                         {"grad_scores_median_scaled", f.grad_scores_median[0]},
                         {"grad_scores_median_unscaled", f.grad_scores_median[1]},
-                        {"grad_qk_median_scaled", f.grad_qk_median[0]}, {"grad_qk_median_unscaled", f.grad_qk_median[1]}});
+                        {"grad_qk_median_scaled", f.grad_qk_median[0]},
+                        {"grad_qk_median_unscaled", f.grad_qk_median[1]}});
   }
   return {{"task", "scaling"},
           {"device", device.str()},
           {"d_k", d_k_rows},
-          {"reverse", {{"d_model", config.d_model}, {"steps", config.steps},
-                       {"final_loss_scaled", tail_mean(scaled_losses)},
-                       {"final_loss_unscaled", tail_mean(unscaled_losses)}}},
+          {"reverse",
+           {{"d_model", config.d_model},
+            {"steps", config.steps},
+            {"final_loss_scaled", tail_mean(scaled_losses)},
+            {"final_loss_unscaled", tail_mean(unscaled_losses)}}},
           {"wall_time_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};
 }
 

@@ -53,8 +53,9 @@ nlohmann::json run_seed_task(const RunConfig& config, const torch::Device& devic
     std::printf("Input shape: %s\n", python_size(x.sizes()).c_str());
     std::printf("Output shape: %s\n", python_size(output.sizes()).c_str());
     std::printf("Loss: %s\n", fmt::format("{}", losses.front()).c_str());
-    if (config.steps > 1) std::printf("Loss after %lld steps: %s\n", static_cast<long long>(config.steps),
-                                      fmt::format("{}", losses.back()).c_str());
+    if (config.steps > 1)
+      std::printf("Loss after %lld steps: %s\n", static_cast<long long>(config.steps),
+                  fmt::format("{}", losses.back()).c_str());
     std::fflush(stdout);
   }
   return {

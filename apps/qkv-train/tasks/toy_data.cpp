@@ -19,12 +19,12 @@ class ReverseData : public ToyData {
 
   ToyBatch sample(int64_t size, int64_t step) const override {
     auto generator = batch_generator(seed_, step);
-    auto content = at::randn({size, n_, content_}, generator);                         // (B, N, C)
-    auto position = torch::eye(n_).unsqueeze(0).expand({size, n_, n_});                 // (B, N, N)
+    auto content = at::randn({size, n_, content_}, generator);           // (B, N, C)
+    auto position = torch::eye(n_).unsqueeze(0).expand({size, n_, n_});  // (B, N, N)
     ToyBatch batch;
-    batch.input = torch::cat({content, position}, /*dim=*/-1).to(device_, dtype_);    // (B, N, E)
+    batch.input = torch::cat({content, position}, /*dim=*/-1).to(device_, dtype_);  // (B, N, E)
     batch.target = torch::cat({content.flip(1), torch::zeros({size, n_, n_})}, -1).to(device_);
-    batch.answer = torch::arange(n_ - 1, -1, -1, torch::kLong).to(device_);            // (N,): N-1-i
+    batch.answer = torch::arange(n_ - 1, -1, -1, torch::kLong).to(device_);  // (N,): N-1-i
     return batch;
   }
 
@@ -49,14 +49,18 @@ class ReverseData : public ToyData {
 class LookupData : public ToyData {
  public:
   LookupData(uint64_t seed, int64_t seq_len, int64_t d_model, torch::Device device, torch::ScalarType dtype)
-      : seed_(seed), items_(seq_len - 1), key_dim_((d_model - 1) / 2), value_dim_(d_model - 1 - key_dim_),
-        device_(device), dtype_(dtype) {}
+      : seed_(seed),
+        items_(seq_len - 1),
+        key_dim_((d_model - 1) / 2),
+        value_dim_(d_model - 1 - key_dim_),
+        device_(device),
+        dtype_(dtype) {}
 
   ToyBatch sample(int64_t size, int64_t step) const override {
     auto generator = batch_generator(seed_, step);
-    auto keys = at::randn({size, items_, key_dim_}, generator);      // (B, I, K)
-    auto values = at::randn({size, items_, value_dim_}, generator);  // (B, I, V)
-    auto chosen = at::randint(items_, {size}, generator, torch::kLong);  // (B,)
+    auto keys = at::randn({size, items_, key_dim_}, generator);                              // (B, I, K)
+    auto values = at::randn({size, items_, value_dim_}, generator);                          // (B, I, V)
+    auto chosen = at::randint(items_, {size}, generator, torch::kLong);                      // (B,)
     auto query_key = keys.gather(1, chosen.view({size, 1, 1}).expand({size, 1, key_dim_}));  // (B, 1, K)
     auto items = torch::cat({keys, values, torch::zeros({size, items_, 1})}, -1);            // (B, I, E)
     auto query = torch::cat({query_key, torch::zeros({size, 1, value_dim_}), torch::ones({size, 1, 1})}, -1);

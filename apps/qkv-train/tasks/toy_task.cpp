@@ -20,12 +20,12 @@ class ToyTask : public TrainableTask {
     data_ = config.task == "reverse" ? make_reverse_data(config.seed, config.seq_len, config.d_model, device, dtype)
                                      : make_lookup_data(config.seed, config.seq_len, config.d_model, device, dtype);
     torch::manual_seed(config.seed);
-    model_ = qkv::SelfAttention(qkv::SelfAttentionOptions(config.d_model)
-                                    .num_heads(config.heads)
-                                    .num_kv_heads(config.kv_heads ? c10::optional<int64_t>(*config.kv_heads)
-                                                                  : c10::nullopt)
-                                    .causal(config.causal)
-                                    .scale(config.scale ? c10::optional<double>(*config.scale) : c10::nullopt));
+    model_ =
+        qkv::SelfAttention(qkv::SelfAttentionOptions(config.d_model)
+                               .num_heads(config.heads)
+                               .num_kv_heads(config.kv_heads ? c10::optional<int64_t>(*config.kv_heads) : c10::nullopt)
+                               .causal(config.causal)
+                               .scale(config.scale ? c10::optional<double>(*config.scale) : c10::nullopt));
     model_->to(device, dtype);
     query_key_parameters_ = model_->W_q->parameters();
     for (const auto& p : model_->W_k->parameters()) query_key_parameters_.push_back(p);
@@ -104,11 +104,22 @@ class ToyTask : public TrainableTask {
       return s;
     };
     const auto metric = data_->metric_name();
-    qkv_plot::LinePlot losses{"qkv-train --task " + config_.task + ": loss", "step", "MSE loss (log scale)",
+    qkv_plot::LinePlot losses{"qkv-train --task " + config_.task + ": loss",
+                              "step",
+                              "MSE loss (log scale)",
                               {series("loss", "training loss", 0), series("eval_loss", "evaluation loss", 1)},
-                              false, true, {}, {}};
-    qkv_plot::LinePlot attention{"attention on the right key", "step", metric,
-                                 {series("eval_answer_weight", metric, 2)}, false, false, 0.0, 1.0};
+                              false,
+                              true,
+                              {},
+                              {}};
+    qkv_plot::LinePlot attention{"attention on the right key",
+                                 "step",
+                                 metric,
+                                 {series("eval_answer_weight", metric, 2)},
+                                 false,
+                                 false,
+                                 0.0,
+                                 1.0};
     qkv_plot::write_line_plots((out / "loss.png").string(), {losses, attention});
 
     std::vector<qkv_plot::Heatmap> panels;

@@ -34,8 +34,8 @@ void GptImpl::reset() {
       if (name.find("norm") == std::string::npos && name.find("ln_") == std::string::npos) p.zero_();
       continue;
     }
-    const bool ends_residual_branch = name.find("mlp_proj") != std::string::npos ||
-                                      name.find("W_o") != std::string::npos;
+    const bool ends_residual_branch =
+        name.find("mlp_proj") != std::string::npos || name.find("W_o") != std::string::npos;
     p.normal_(0.0, ends_residual_branch ? 0.02 / std::sqrt(2.0 * static_cast<double>(options.layers())) : 0.02);
   }
 }
@@ -48,7 +48,7 @@ void GptImpl::check_ids(const torch::Tensor& ids, const char* caller) const {
 }
 
 torch::Tensor GptImpl::logits(const torch::Tensor& hidden) {
-  const auto normed = final_norm(hidden);  // (B, N, E)
+  const auto normed = final_norm(hidden);                                                            // (B, N, E)
   return options.tie_weights() ? torch::matmul(normed, token_embedding->weight.t()) : head(normed);  // (B, N, V)
 }
 
@@ -134,7 +134,7 @@ torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_toke
   torch::Tensor next_input = sequence;  // what the next forward pass takes: the prompt, then one token
   for (int64_t i = 0; i < new_tokens; ++i) {
     const auto logits = sampling.use_cache ? model->forward_with_cache(next_input, caches)  // (1, T, V)
-                                           : model->forward(sequence);                     // (1, P + i, V)
+                                           : model->forward(sequence);                      // (1, P + i, V)
     const int64_t token = pick(logits[0][-1], sampling, generator);
     produced.push_back(token);
     next_input = torch::full({1, 1}, token, torch::TensorOptions(torch::kLong).device(device));

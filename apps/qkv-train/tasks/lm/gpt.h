@@ -64,7 +64,7 @@ TORCH_MODULE(Gpt);
 struct Sampling {
   double temperature = 0.8;  // 0: greedy (the most likely token)
   std::optional<int64_t> top_k;
-  bool use_cache = true;     // false: recompute the whole prefix for every new token
+  bool use_cache = true;  // false: recompute the whole prefix for every new token
 };
 
 /// Continues `prompt` (P,) by `new_tokens` tokens; returns the new ids (new_tokens,). P + new_tokens

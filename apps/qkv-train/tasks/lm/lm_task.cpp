@@ -35,7 +35,9 @@ using lm::TextData;
 constexpr int64_t kMaxValidationWindows = 64;  // of --seq-len characters each
 constexpr int64_t kSampleLength = 200;         // characters of the sample at each evaluation
 
-std::string data_path(const RunConfig& config) { return config.data_path.empty() ? lm::kDefaultText : config.data_path; }
+std::string data_path(const RunConfig& config) {
+  return config.data_path.empty() ? lm::kDefaultText : config.data_path;
+}
 
 Gpt make_model(const RunConfig& config, int64_t vocabulary, const torch::Device& device) {
   torch::manual_seed(config.seed);
@@ -68,21 +70,25 @@ double known_word_fraction(const std::string& sample, const std::set<std::string
 class LanguageModelTask : public TrainableTask {
  public:
   LanguageModelTask(const RunConfig& config, const torch::Device& device)
-      : config_(config), device_(device), data_(TextData::load(data_path(config), config.seq_len)),
+      : config_(config),
+        device_(device),
+        data_(TextData::load(data_path(config), config.seq_len)),
         model_(make_model(config, data_.tokenizer.size(), device)) {
     std::tie(validation_inputs_, validation_targets_) = data_.validation_windows(config.seq_len, kMaxValidationWindows);
     validation_inputs_ = validation_inputs_.to(device);
     validation_targets_ = validation_targets_.to(device);
     bigram_loss_ = lm::bigram_loss(data_, validation_inputs_.cpu(), validation_targets_.cpu());
-    std::stringstream words(lm::encode_utf8(std::u32string(data_.text.begin(), data_.text.begin() + data_.train.numel())));
+    std::stringstream words(
+        lm::encode_utf8(std::u32string(data_.text.begin(), data_.text.begin() + data_.train.numel())));
     for (std::string word; words >> word;) training_words_.insert(word);
     prompt_ = prompt_ids(config, data_);
     int64_t parameters = 0;
     for (const auto& p : model_->parameters()) parameters += p.numel();
-    spdlog::info("lm: {} ({} characters, vocabulary {}; {} train / {} validation), {} parameters; the bigram "
-                 "baseline's validation loss is {:.4f} nats ({:.3f} bits) per character",
-                 data_.source, data_.text.size(), data_.tokenizer.size(), data_.train.numel(),
-                 data_.validation.numel(), parameters, bigram_loss_, bigram_loss_ / std::log(2.0));
+    spdlog::info(
+        "lm: {} ({} characters, vocabulary {}; {} train / {} validation), {} parameters; the bigram "
+        "baseline's validation loss is {:.4f} nats ({:.3f} bits) per character",
+        data_.source, data_.text.size(), data_.tokenizer.size(), data_.train.numel(), data_.validation.numel(),
+        parameters, bigram_loss_, bigram_loss_ / std::log(2.0));
     parameter_count_ = parameters;
   }
 
@@ -111,7 +117,8 @@ class LanguageModelTask : public TrainableTask {
   double learning_rate(int64_t step, double lr) const override {
     const int64_t warmup = config_.warmup_steps;
     if (step <= warmup) return lr * static_cast<double>(step) / static_cast<double>(std::max<int64_t>(warmup, 1));
-    const double progress = static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(config_.steps - warmup, 1));
+    const double progress =
+        static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(config_.steps - warmup, 1));
     const double min_lr = lr / 10.0;
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * std::min(progress, 1.0)));
   }
@@ -144,7 +151,8 @@ class LanguageModelTask : public TrainableTask {
       for (int64_t begin = 0; begin < validation_inputs_.size(0); begin += chunk) {
         const auto count = std::min(chunk, validation_inputs_.size(0) - begin);
         total += loss(model_(validation_inputs_.narrow(0, begin, count)), validation_targets_.narrow(0, begin, count))
-                     .item<double>() * static_cast<double>(count);
+                     .item<double>() *
+                 static_cast<double>(count);
       }
       validation_loss = total / static_cast<double>(validation_inputs_.size(0));
       model_->train();
@@ -157,12 +165,18 @@ class LanguageModelTask : public TrainableTask {
   }
 
   nlohmann::json summary_extras() override {
-    return {{"data", {{"source", data_.source}, {"characters", data_.text.size()}, {"vocabulary", data_.tokenizer.size()},
-                      {"train_characters", data_.train.numel()}, {"validation_characters", data_.validation.numel()},
-                      {"tokenization", "character (Unicode code point)"}}},
+    return {{"data",
+             {{"source", data_.source},
+              {"characters", data_.text.size()},
+              {"vocabulary", data_.tokenizer.size()},
+              {"train_characters", data_.train.numel()},
+              {"validation_characters", data_.validation.numel()},
+              {"tokenization", "character (Unicode code point)"}}},
             {"parameters", parameter_count_},
-            {"sample", {{"prompt", config_.prompt.empty() ? "\n" : config_.prompt}, {"text", sample_},
-                        {"known_word_fraction", words_known_}}}};
+            {"sample",
+             {{"prompt", config_.prompt.empty() ? "\n" : config_.prompt},
+              {"text", sample_},
+              {"known_word_fraction", words_known_}}}};
   }
 
   std::vector<std::string> write_pictures(const std::filesystem::path& out, const MetricsHistory& history) override {
@@ -197,8 +211,8 @@ class LanguageModelTask : public TrainableTask {
     lm::Sampling sampling;
     sampling.temperature = config_.temperature;
     sampling.top_k = config_.top_k > 0 ? std::optional<int64_t>(config_.top_k) : std::nullopt;
-    const auto ids = lm::generate(model_, prompt_, std::min(length, room), sampling,
-                                  batch_generator(config_.seed, /*step=*/-2));
+    const auto ids =
+        lm::generate(model_, prompt_, std::min(length, room), sampling, batch_generator(config_.seed, /*step=*/-2));
     return data_.tokenizer.decode(ids);
   }
 
@@ -208,10 +222,15 @@ class LanguageModelTask : public TrainableTask {
       for (const auto& [x, y] : history.series(column)) s.x.push_back(x), s.y.push_back(y);
       return s;
     };
-    qkv_plot::LinePlot losses{"qkv-train --task lm: cross-entropy", "step", "nats per character",
+    qkv_plot::LinePlot losses{"qkv-train --task lm: cross-entropy",
+                              "step",
+                              "nats per character",
                               {series("loss", "training", 0), series("val_loss", "validation", 1),
                                series("bigram_val_loss", "bigram baseline (validation)", 2)},
-                              false, false, {}, {}};
+                              false,
+                              false,
+                              {},
+                              {}};
     qkv_plot::write_line_plots(path.string(), {losses});
   }
 
@@ -219,7 +238,7 @@ class LanguageModelTask : public TrainableTask {
   void write_attention_grid(const std::filesystem::path& path) {
     const int64_t length = std::min<int64_t>(config_.seq_len, 40);
     const auto snippet = data_.validation.narrow(0, 0, length).unsqueeze(0).to(device_);  // (1, n)
-    const auto weights = model_->attention_weights(snippet);                                // L × (1, H, n, n)
+    const auto weights = model_->attention_weights(snippet);                              // L × (1, H, n, n)
     std::vector<std::string> labels;
     for (int64_t i = 0; i < length; ++i) labels.emplace_back(1, data_.tokenizer.label(snippet[0][i].item<int64_t>()));
     std::vector<qkv_plot::Heatmap> panels;
@@ -236,8 +255,8 @@ class LanguageModelTask : public TrainableTask {
       }
     }
     qkv_plot::write_heatmaps(path.string(),
-                             "attention of every head (rows: layers) on the validation text's first characters",
-                             panels, "query character", "key character", /*columns=*/static_cast<int>(config_.heads));
+                             "attention of every head (rows: layers) on the validation text's first characters", panels,
+                             "query character", "key character", /*columns=*/static_cast<int>(config_.heads));
   }
 
   const RunConfig& config_;
@@ -278,11 +297,10 @@ nlohmann::json run_lm_generation(const RunConfig& config, const torch::Device& d
     throw UsageError(e.what());
   }
   if (prompt.numel() + config.max_new_tokens > config.seq_len) {
-    throw UsageError("--max-new-tokens " + std::to_string(config.max_new_tokens) + " after a prompt of " +
-                     std::to_string(prompt.numel()) + " characters needs " +
-                     std::to_string(prompt.numel() + config.max_new_tokens) +
-                     " positions, more than the model's context and KV cache capacity, --seq-len " +
-                     std::to_string(config.seq_len));
+    throw UsageError(
+        "--max-new-tokens " + std::to_string(config.max_new_tokens) + " after a prompt of " +
+        std::to_string(prompt.numel()) + " characters needs " + std::to_string(prompt.numel() + config.max_new_tokens) +
+        " positions, more than the model's context and KV cache capacity, --seq-len " + std::to_string(config.seq_len));
   }
   auto model = make_model(config, data.tokenizer.size(), device);
   const std::string weights = !config.resume_dir.empty() ? config.resume_dir + "/model.pt" : config.init_weights;

@@ -178,7 +178,8 @@ torch::Tensor CharTokenizer::encode(const std::u32string& text, const std::strin
     for (char32_t c : unknown) {
       char code[16];
       std::snprintf(code, sizeof(code), "U+%04X", static_cast<unsigned>(c));
-      listed += (listed.empty() ? "" : ", ") + std::string("'") + encode_utf8(std::u32string(1, c)) + "' (" + code + ")";
+      listed +=
+          (listed.empty() ? "" : ", ") + std::string("'") + encode_utf8(std::u32string(1, c)) + "' (" + code + ")";
     }
     throw DataError(what + " has characters outside the model's vocabulary of " + std::to_string(size()) +
                     " characters: " + listed);
@@ -235,8 +236,8 @@ std::pair<torch::Tensor, torch::Tensor> TextData::training_batch(uint64_t seed, 
 
 std::pair<torch::Tensor, torch::Tensor> TextData::validation_windows(int64_t context, int64_t max_windows) const {
   const int64_t count = std::min<int64_t>(max_windows, (validation.numel() - 1) / context);
-  const auto starts = torch::arange(count, torch::kLong) * context;                 // (W,)
-  const auto offsets = torch::arange(context + 1, torch::kLong);                    // (N + 1,)
+  const auto starts = torch::arange(count, torch::kLong) * context;                     // (W,)
+  const auto offsets = torch::arange(context + 1, torch::kLong);                        // (N + 1,)
   const auto windows = validation.index({starts.unsqueeze(1) + offsets.unsqueeze(0)});  // (W, N + 1)
   return {windows.narrow(1, 0, context), windows.narrow(1, 1, context)};
 }
