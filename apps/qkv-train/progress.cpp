@@ -15,7 +15,7 @@ double Progress::elapsed_seconds() const {
 }
 
 double Progress::steps_per_second() const {
-  const double elapsed = elapsed_seconds();
+  const double elapsed = elapsed_seconds() - excluded_seconds_;
   return elapsed > 0 ? static_cast<double>(step_ - first_step_) / elapsed : 0.0;
 }
 

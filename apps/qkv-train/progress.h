@@ -18,9 +18,13 @@ class Progress {
   void update(int64_t step, double loss);
   void finish();
 
+  /// Steps (and tokens) per second of training: evaluation time excluded (see exclude).
   double steps_per_second() const;
   double tokens_per_second() const { return steps_per_second() * static_cast<double>(tokens_per_step_); }
+  /// Seconds since the start, everything included.
   double elapsed_seconds() const;
+  /// Seconds spent on other work than training (evaluations), left out of the rates.
+  void exclude(double seconds) { excluded_seconds_ += seconds; }
 
  private:
   Mode mode_;
@@ -28,6 +32,7 @@ class Progress {
   int64_t step_ = 0;
   std::FILE* terminal_;
   std::chrono::steady_clock::time_point start_, last_draw_;
+  double excluded_seconds_ = 0.0;
 };
 
 }  // namespace qkv_train

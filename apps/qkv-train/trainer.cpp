@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <filesystem>
@@ -234,18 +235,32 @@ class Trainer {
     progress.update(step_, last_loss_);
     if (log_now && is_main_) {
       tokens_per_s_ = progress.tokens_per_second(), elapsed_s_ = progress.elapsed_seconds(), lr_ = lr;
-      record_row(/*trained=*/true, last_loss_, gradients);
+      record_row(/*trained=*/true, last_loss_, gradients, &progress);
     }
     return stop;
   }
 
+  // The task's evaluation of the model at this step (computed once per step), its time left out
+  // of the training's pace.
+  const std::vector<double>& evaluation(Progress* progress) {
+    if (!last_evaluation_ || last_evaluation_->first != step_) {
+      const auto start = std::chrono::steady_clock::now();
+      last_evaluation_.emplace(step_, task_->evaluate());
+      if (progress != nullptr) {
+        progress->exclude(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+    }
+    return last_evaluation_->second;
+  }
+
   // A metrics.csv row: the step's loss and gradients, and an evaluation on evaluation steps.
-  void record_row(bool trained, std::optional<double> loss, const std::vector<double>& gradients) {
+  void record_row(bool trained, std::optional<double> loss, const std::vector<double>& gradients,
+                  Progress* progress = nullptr) {
     if (!is_main_) return;
     std::vector<std::string> row{std::to_string(step_), loss ? number_cell(*loss) : ""};
     const auto evaluation_names = task_->evaluation_columns();
     if (!trained || step_ % config_.eval_every == 0 || step_ == config_.steps) {
-      for (double figure : task_->evaluate()) row.push_back(number_cell(figure));
+      for (double figure : evaluation(progress)) row.push_back(number_cell(figure));
     } else {
       row.insert(row.end(), evaluation_names.size(), "");
     }
@@ -281,7 +296,7 @@ class Trainer {
     // The training's pace, before the final evaluation adds its own time.
     const double wall_time = progress.elapsed_seconds(), steps_per_s = progress.steps_per_second();
     const double tokens_per_s = progress.tokens_per_second();
-    const auto figures = task_->evaluate();
+    const auto figures = evaluation(nullptr);  // the last step's, when it was an evaluation step
     nlohmann::json evaluation = nlohmann::json::object();
     const auto keys = task_->evaluation_keys();
     for (size_t i = 0; i < keys.size() && i < figures.size(); ++i) evaluation[keys[i]] = figures[i];
@@ -337,6 +352,7 @@ class Trainer {
   double lr_ = 0.0, tokens_per_s_ = 0.0, elapsed_s_ = 0.0;  // of the last logged step
   MetricsHistory history_;
   std::ofstream metrics_;
+  std::optional<std::pair<int64_t, std::vector<double>>> last_evaluation_;  // (step, figures)
 };
 
 }  // namespace

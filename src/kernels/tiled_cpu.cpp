@@ -71,15 +71,15 @@ struct Philox {
   }
 };
 
-// Which (row, key) pairs of one head dropout keeps: one 32-bit word per pair, from the counter
-// (key / 4, row, head, stream) — a pure function of the seed and the position.
+// Which (row, key) pairs of one head dropout keeps: Philox4x32 of (row, head) gives each row a key,
+// and a vectorised 32-bit hash of (row key, key position) decides each pair (vector_math.h) — a
+// pure function of the seed and the position, so the backward regenerates the forward's mask.
 class DropoutStream {
  public:
   DropoutStream(uint64_t seed, double p)
       : philox_{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)},
-        threshold_(static_cast<uint64_t>(p * 4294967296.0)),
-        scale_(p > 0 ? 1.0 / (1.0 - p) : 1.0),
-        active_(p > 0) {}
+        threshold_(static_cast<uint32_t>(std::min(p * 4294967296.0, 4294967295.0))),
+        scale_(p > 0 ? 1.0 / (1.0 - p) : 1.0), active_(p > 0) {}
 
   bool active() const { return active_; }
   double scale() const { return scale_; }
@@ -87,21 +87,14 @@ class DropoutStream {
   // keep[c] for keys j0 .. j0 + count - 1 of `row` of head `head`.
   void keep(int64_t head, int64_t row, int64_t j0, int64_t count, uint8_t* keep) const {
     uint32_t words[4];
-    int64_t cached_group = -1;
-    for (int64_t c = 0; c < count; ++c) {
-      const int64_t j = j0 + c;
-      if (j / 4 != cached_group) {
-        cached_group = j / 4;
-        philox_.generate(static_cast<uint32_t>(cached_group), static_cast<uint32_t>(row), static_cast<uint32_t>(head),
-                         static_cast<uint32_t>(static_cast<uint64_t>(head) >> 32), words);
-      }
-      keep[c] = words[j % 4] >= threshold_;
-    }
+    philox_.generate(static_cast<uint32_t>(row), static_cast<uint32_t>(row >> 32), static_cast<uint32_t>(head),
+                     static_cast<uint32_t>(head >> 32), words);
+    dropout_keep(words[0], static_cast<uint32_t>(j0), count, threshold_, keep);
   }
 
  private:
   Philox philox_;
-  uint64_t threshold_;  // a word below it drops the pair: probability p
+  uint32_t threshold_;  // a hash below it drops the pair: probability p
   double scale_;
   bool active_;
 };

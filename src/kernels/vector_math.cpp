@@ -81,4 +81,17 @@ void softmax_backward(const double* p, double* ds, int64_t n, double delta) {
   for (int64_t i = 0; i < n; ++i) ds[i] = p[i] * (ds[i] - delta);
 }
 
+QKV_VECTORISED void dropout_keep(uint32_t row_key, uint32_t first, int64_t n, uint32_t threshold,
+                                 uint8_t* __restrict keep) {
+  for (int64_t c = 0; c < n; ++c) {
+    uint32_t x = (first + static_cast<uint32_t>(c)) * 0x9E3779B9u ^ row_key;
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    keep[c] = x >= threshold ? 1 : 0;
+  }
+}
+
 }  // namespace qkv::kernels
