@@ -124,7 +124,8 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   app.add_option("--optimizer", config.optimizer, "Optimizer of the toy tasks (lm uses AdamW)")
       ->check(CLI::IsMember({"adam", "sgd"}));
   app.add_option("--seed", config.seed, "Random seed (42 = the documents' example)");
-  app.add_option("--threads", config.threads, "CPU threads for LibTorch (0 = its default)")->check(CLI::Range(0, 1024));
+  app.add_option("--threads", config.threads, "CPU threads for LibTorch (0 = its default; lm: every core)")
+      ->check(CLI::Range(0, 1024));
   app.add_flag("--causal", config.causal, "Causal mask: position i attends only to positions <= i");
   app.add_option("--scale", scale, "Multiplier of QKᵀ (1.0 = unscaled, the documents' warning)")
       ->check(CLI::PositiveNumber)

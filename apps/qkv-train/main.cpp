@@ -40,11 +40,13 @@ void print_summary(const qkv_train::RunConfig& config, const nlohmann::json& s) 
 // In a distributed run each process trains on a share of the batch: LibTorch's default (all
 // cores) in every process would oversubscribe the machine.
 void set_threads(const qkv_train::RunConfig& config, const std::optional<qkv_train::DistributedEnv>& env) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (config.threads > 0) {
     torch::set_num_threads(config.threads);
   } else if (env && env->local_world_size > 1) {
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     torch::set_num_threads(std::max(1, cores / env->local_world_size));
+  } else if (qkv_train::find_task(config.task).defaults.all_cores) {
+    torch::set_num_threads(cores);
   }
 }
 

@@ -24,6 +24,9 @@ struct TaskDefaults {
   // The language model's.
   int64_t layers = 0, warmup_steps = 0;
   double dropout = 0.0;
+  /// Use every core unless --threads says otherwise (LibTorch's own default here is one thread
+  /// per physical core as it counts them, which on the development machine was 1 of 2).
+  bool all_cores = false;
 };
 
 struct TaskSpec {

@@ -236,7 +236,7 @@ class LanguageModelTask : public TrainableTask {
 
   // Every head of every layer on the start of the validation text, one grid (rows: layers).
   void write_attention_grid(const std::filesystem::path& path) {
-    const int64_t length = std::min<int64_t>(config_.seq_len, 40);
+    const int64_t length = std::min<int64_t>(config_.seq_len, 32);  // characters stay legible as tick labels
     const auto snippet = data_.validation.narrow(0, 0, length).unsqueeze(0).to(device_);  // (1, n)
     const auto weights = model_->attention_weights(snippet);                              // L × (1, H, n, n)
     std::vector<std::string> labels;
