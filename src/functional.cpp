@@ -148,7 +148,9 @@ AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
   // CPU: qkv's tiled kernel, where it has a BLAS. Measured on the 2-core development machine
   // (docs/PERFORMANCE.md, "Choosing the CPU backend"): faster than the math path at every size
   // from N = 4 to 4096, forward and backward.
-  if (kernels::tiled_supports(q) && kernels::tiled_uses_blas()) return AttentionBackend::Tiled;
+  // One query row (a decoded token) is three small products: the math path's few operations cost
+  // a little less than setting up the kernel (measured: docs/PERFORMANCE.md, "Decoding").
+  if (kernels::tiled_supports(q) && kernels::tiled_uses_blas() && q.size(-2) > 1) return AttentionBackend::Tiled;
   return fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
 }
 

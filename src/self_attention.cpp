@@ -307,7 +307,9 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
   // New position L+t attends to keys 0 .. L+t: every cached key, and the new ones up to itself
   // (the causal mask aligned to the bottom right). One new position needs no mask at all.
   auto attention = attention_options(/*need_weights=*/false).causal(false);
-  if (T > 1) {
+  if (T > 1 && L == 0) {
+    attention.causal(true);  // a prompt into an empty cache: plain causal, which kernels can skip blocks of
+  } else if (T > 1) {
     const auto positions = torch::arange(L + T, torch::TensorOptions(torch::kLong).device(x.device()));
     attention.mask(positions.unsqueeze(0) <= positions.narrow(0, L, T).unsqueeze(1));  // (T, L+T)
   }

@@ -245,6 +245,18 @@ const acc_t* rows_as(const scalar_t* source, int64_t stride, int64_t rows, int64
   }
 }
 
+// Tasks per chunk of at::parallel_for: 1, unless the tasks are so small (decoding one position:
+// one row against the cache) that starting the threads would cost more than the arithmetic; then
+// enough of them to make about 1 MFLOP per chunk, which keeps a decoded token's attention on the
+// calling thread.
+template <typename acc_t>
+int64_t tasks_per_chunk(const Problem<acc_t>& p, int64_t rows_per_task) {
+  constexpr double kFlopsPerChunk = 1e6;
+  const double flops = 4.0 * static_cast<double>(rows_per_task) * static_cast<double>(p.S) *
+                       static_cast<double>(std::max(p.D, p.Dv));
+  return std::max<int64_t>(1, static_cast<int64_t>(kFlopsPerChunk / std::max(flops, 1.0)));
+}
+
 // ---- Forward ----
 
 template <typename scalar_t, typename acc_t>
@@ -252,7 +264,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
                     const Matrix4<scalar_t>& v, scalar_t* out, acc_t* lse) {
   const int64_t row_blocks = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t tasks = p.B * p.H * row_blocks;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tasks, tasks_per_chunk(p, std::min(p.N, kRowsPerBlock)), [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas single_threaded;
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
     std::vector<acc_t> scores(kRowsPerBlock * kKeysPerBlock), accumulator, row_max(kRowsPerBlock),
@@ -321,7 +333,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
                      const Matrix4<scalar_t>& v, const scalar_t* out, const scalar_t* grad_out, const acc_t* lse,
                      scalar_t* grad_q, scalar_t* grad_k, scalar_t* grad_v) {
   const int64_t G = p.groups();
-  at::parallel_for(0, p.B * p.Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.B * p.Hkv, tasks_per_chunk(p, p.groups() * p.N), [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas single_threaded;
     std::vector<acc_t> probabilities(kRowsPerBlock * kKeysPerBlock), grad_probabilities(kRowsPerBlock * kKeysPerBlock),
         dropped(kRowsPerBlock * kKeysPerBlock), grad_k_block, grad_v_block, grad_q_all, delta, q_scratch, k_scratch,
