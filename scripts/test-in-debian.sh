@@ -53,20 +53,38 @@ if [[ ! -x "$chroot_dir/usr/bin/apt-get" ]]; then
   echo 'Acquire::Check-Valid-Until "false";' | "${sudo[@]}" tee "$chroot_dir/etc/apt/apt.conf.d/99qkv-no-valid-until" > /dev/null
 fi
 "${sudo[@]}" cp /etc/resolv.conf "$chroot_dir/etc/resolv.conf"
-if mountpoint -q "$chroot_dir/qkv" 2> /dev/null; then
-  echo "test-in-debian: another session is using $chroot_dir (/qkv is mounted); wait for it to end" >&2
-  exit 1
+
+# One session per chroot at a time: a lock that the kernel drops when its holders die (the mounts
+# are not a lock: a session killed before its cleanup leaves them behind). A second session waits
+# for the first, up to $QKV_CHROOT_WAIT seconds (default one hour).
+unmount_under_chroot() {
+  local target
+  while read -r target; do
+    [[ "$target" == "$chroot_dir" || "$target" == "$chroot_dir"/* ]] && ! printf '%s\n' "$@" | grep -qx "$target" &&
+      "${sudo[@]}" umount -l "$target" 2> /dev/null
+  done < <(findmnt -rn -o TARGET | sort -r)
+  return 0
+}
+lock_file="$chroot_dir.lock"
+"${sudo[@]}" touch "$lock_file"
+exec 9< "$lock_file"
+if ! flock -n 9; then
+  echo "test-in-debian: another session is using $chroot_dir; waiting for it to end (up to ${QKV_CHROOT_WAIT:-3600} s)"
+  flock -w "${QKV_CHROOT_WAIT:-3600}" 9 ||
+    { echo "test-in-debian: $chroot_dir is still in use after ${QKV_CHROOT_WAIT:-3600} s; giving up" >&2; exit 1; }
+fi
+# Mounts left by a session that was killed before its cleanup ran.
+if findmnt -rn -o TARGET | grep -q "^$chroot_dir/"; then
+  echo "test-in-debian: removing mounts left in $chroot_dir by an earlier session that was killed"
+  unmount_under_chroot
 fi
 
 # Mounts, undone on every exit.
 mounted=()
 cleanup() {
-  local i target
+  local i
   # Mounts made inside the chroot (ip netns binds /run/netns there) first, then ours.
-  while read -r target; do
-    [[ "$target" == "$chroot_dir"/* ]] && ! printf '%s\n' "${mounted[@]}" | grep -qx "$target" &&
-      "${sudo[@]}" umount -l "$target" 2> /dev/null
-  done < <(findmnt -rn -o TARGET | sort -r)
+  unmount_under_chroot "${mounted[@]}"
   for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do "${sudo[@]}" umount -l "${mounted[i]}" 2> /dev/null || true; done
 }
 trap cleanup EXIT

@@ -94,6 +94,24 @@ TEST(LanguageModel, ResumedRunEqualsUninterruptedRun) {
   fs::remove_all(whole), fs::remove_all(split);
 }
 
+// The same machinery as the toy tasks: two Gloo ranks on halves of each batch equal one process on
+// the whole batch (float64, no dropout: the comparison measures the algorithm, not rounding).
+TEST(LanguageModel, TwoDataParallelRanksEqualOneProcess) {
+  const auto job = fresh_dir("lm_ddp"), single = fresh_dir("lm_single");
+  const std::string args = kSmallLm + "--dtype float64 --dropout 0 --steps 6 --log-every 1 --eval-every 6 ";
+  auto run = qkv_test::run_command("env -u RANK -u WORLD_SIZE " + std::string(QKV_TRAIN_PATH) + " " + args +
+                                       "--nproc 2 --save-replicas --out " + job.string(),
+                                   /*merge_stderr=*/true);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  ASSERT_EQ(train(args + "--threads 1 --out " + single.string()).exit_code, 0);
+  EXPECT_EQ(max_weight_difference(job / "replica-0.pt", job / "replica-1.pt"), 0.0) << "replicas differ";
+  EXPECT_LE(max_weight_difference(job / "model.pt", single / "model.pt"), 1e-6);
+  const auto ddp = losses_by_step(job / "metrics.csv"), one = losses_by_step(single / "metrics.csv");
+  ASSERT_EQ(ddp.size(), 6u);
+  for (const auto& [step, loss] : one) EXPECT_NEAR(std::stod(ddp.at(step)), std::stod(loss), 1e-9) << step;
+  fs::remove_all(job), fs::remove_all(single);
+}
+
 TEST(LanguageModel, GreedyGenerationWithTheCacheEqualsRecomputingThePrefix) {
   const auto out = fresh_dir("lm_generate");
   ASSERT_EQ(train(kSmallLm + "--steps 30 --out " + out.string()).exit_code, 0);
