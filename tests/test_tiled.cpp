@@ -142,6 +142,29 @@ TEST(Tiled, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
   EXPECT_EQ(qkv_test::max_abs(empty.grad_v), 0.0);
 }
 
+// A NaN in the input must come out where the math path puts it, never be turned into a number:
+// a NaN query row gives a NaN output row (its scores are all NaN), a NaN key every row that sees it.
+// (Its exponential also used to run into undefined behaviour, which UBSan reported.)
+TEST(Tiled, NaNInputsGiveNaNWhereTheMathPathGivesNaN) {
+  torch::manual_seed(4);
+  for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+    auto q = torch::randn({2, 2, 40, 16}, dtype), k = torch::randn({2, 2, 300, 16}, dtype);
+    const auto v = torch::randn({2, 2, 300, 16}, dtype);
+    q[0][1][7][3] = std::numeric_limits<double>::quiet_NaN();
+    k[1][0][250][0] = std::numeric_limits<double>::quiet_NaN();
+    const auto upstream = torch::randn({2, 2, 40, 16}, dtype);
+    const auto options = qkv::ScaledDotProductAttentionOptions();
+    const auto tiled = run(q, k, v, upstream, options, AttentionBackend::Tiled);
+    const auto math = run(q, k, v, upstream, options, AttentionBackend::Math);
+    const auto nan_rows = [](const torch::Tensor& output) { return output.isnan().any(/*dim=*/-1); };  // (B, H, N)
+    ASSERT_TRUE(nan_rows(math.output).any().item<bool>());
+    EXPECT_TRUE(torch::equal(nan_rows(tiled.output), nan_rows(math.output))) << c10::toString(dtype);
+    EXPECT_TRUE(tiled.output[0][1][7].isnan().all().item<bool>());
+    EXPECT_TRUE(tiled.output[1][0].isnan().all().item<bool>());
+    EXPECT_FALSE(tiled.output[0][0].isnan().any().item<bool>());
+  }
+}
+
 TEST(Tiled, BFloat16MatchesFloat64Math) {
   std::mt19937 random(7);
   for (int trial = 0; trial < 12; ++trial) {

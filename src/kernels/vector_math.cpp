@@ -17,7 +17,9 @@ QKV_VECTORISED float exp_shifted_sum(float* __restrict x, int64_t n, float shift
   constexpr float kRound = 12582912.0f;  // 1.5 · 2^23: adding and subtracting it rounds to an integer
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i] - shift;
-    const float clamped = v < -87.0f ? -87.0f : (v > 88.0f ? 88.0f : v);
+    // Written so that a NaN lands on -87 (every comparison with NaN is false): k then stays a small
+    // integer, whose conversion and shift below are defined; the NaN itself is restored at the end.
+    const float clamped = v >= -87.0f ? (v <= 88.0f ? v : 88.0f) : -87.0f;
     const float k = (clamped * kLog2e + kRound) - kRound;
     const float r = clamped - k * kLn2High - k * kLn2Low;
     float p = 1.9875691500E-4f;
@@ -27,10 +29,10 @@ QKV_VECTORISED float exp_shifted_sum(float* __restrict x, int64_t n, float shift
     p = p * r + 1.6666665459E-1f;
     p = p * r + 5.0000001201E-1f;
     const float exp_r = p * (r * r) + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;  // k in [-126, 127]
     float two_to_k;
     std::memcpy(&two_to_k, &bits, sizeof two_to_k);
-    x[i] = v < -87.0f ? 0.0f : exp_r * two_to_k;
+    x[i] = v < -87.0f ? 0.0f : (v != v ? v : exp_r * two_to_k);  // a NaN score stays NaN
   }
   // Eight running sums so that the additions vectorise (and round less).
   float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -53,15 +55,17 @@ double exp_shifted_sum(double* x, int64_t n, double shift) {
   return sum;
 }
 
+// A NaN wins (and then stays, as nothing compares greater than it): a row with a NaN score must
+// give NaN, as softmax does, not pass for a fully masked row (whose maximum is -inf).
 QKV_VECTORISED float max_of(const float* __restrict x, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) best = x[i] > best ? x[i] : best;
+  for (int64_t i = 0; i < n; ++i) best = (x[i] > best || x[i] != x[i]) ? x[i] : best;
   return best;
 }
 
 double max_of(const double* x, int64_t n) {
   double best = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < n; ++i) best = x[i] > best ? x[i] : best;
+  for (int64_t i = 0; i < n; ++i) best = (x[i] > best || x[i] != x[i]) ? x[i] : best;
   return best;
 }
 
