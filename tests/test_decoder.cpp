@@ -41,14 +41,7 @@ TEST_P(DecoderParity, OutputWeightsLossAndEveryGradient) {
   auto loss = torch::mse_loss(output, fixture.tensor("target"));
   EXPECT_TRUE(qkv_test::tensors_close(loss, fixture.tensor("expected.loss"), tolerance)) << "loss";
   loss.backward();
-  double scale = qkv_test::max_abs(query.grad());
-  for (const auto& p : module->parameters()) scale = std::max(scale, qkv_test::max_abs(p.grad()));
-  for (const auto& item : module->named_parameters()) {
-    EXPECT_TRUE(qkv_test::tensors_close(item.value().grad(), fixture.tensor("grad." + item.key()), tolerance, scale))
-        << "gradient of " << item.key();
-  }
-  EXPECT_TRUE(qkv_test::tensors_close(query.grad(), fixture.tensor("grad.query"), tolerance, scale))
-      << "gradient of the input";
+  qkv_test::expect_gradients_match(fixture, *module, query, tolerance, GetParam());
   // The module's parameter names are the Python reference's state_dict() keys, all of them.
   std::vector<std::string> names, python_names;
   for (const auto& item : module->named_parameters()) names.push_back(item.key());

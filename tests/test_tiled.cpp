@@ -294,13 +294,7 @@ TEST(Tiled, ParityFixturesWithTheTiledBackend) {
     const double tolerance = qkv_test::tolerance_for(query.scalar_type(), query.size(-2) * query.size(-1));
     EXPECT_TRUE(qkv_test::tensors_close(result.output, fixture.tensor("expected.output"), tolerance)) << name;
     torch::mse_loss(result.output, fixture.tensor("target")).backward();
-    double scale = qkv_test::max_abs(query.grad());
-    for (const auto& p : module->parameters()) scale = std::max(scale, qkv_test::max_abs(p.grad()));
-    EXPECT_TRUE(qkv_test::tensors_close(query.grad(), fixture.tensor("grad.query"), tolerance, scale)) << name;
-    for (const auto& item : module->named_parameters()) {
-      EXPECT_TRUE(qkv_test::tensors_close(item.value().grad(), fixture.tensor("grad." + item.key()), tolerance, scale))
-          << name << " " << item.key();
-    }
+    qkv_test::expect_gradients_match(fixture, *module, query, tolerance, name);
   }
 }
 

@@ -120,6 +120,18 @@ double max_abs(const torch::Tensor& t) {
   return t.detach().abs().max().to(torch::kCPU, torch::kDouble).item<double>();
 }
 
+void expect_gradients_match(const Fixture& fixture, const torch::nn::Module& module, const torch::Tensor& input,
+                            double tolerance, const std::string& label) {
+  double scale = max_abs(input.grad());
+  for (const auto& p : module.parameters()) scale = std::max(scale, max_abs(p.grad()));
+  EXPECT_TRUE(tensors_close(input.grad(), fixture.tensor("grad.query"), tolerance, scale))
+      << label << ": gradient of the input";
+  for (const auto& item : module.named_parameters()) {
+    EXPECT_TRUE(tensors_close(item.value().grad(), fixture.tensor("grad." + item.key()), tolerance, scale))
+        << label << ": gradient of " << item.key();
+  }
+}
+
 double relative_error(const torch::Tensor& actual, const torch::Tensor& expected, double scale) {
   auto a = actual.detach().to(torch::kCPU, torch::kDouble);
   auto b = expected.detach().to(torch::kCPU, torch::kDouble);

@@ -70,4 +70,11 @@ qkv::AttentionBackend default_cpu_backend();
 /// max |t| (0 for an empty or undefined tensor).
 double max_abs(const torch::Tensor& t);
 
+/// After the fixture's loss went backward through `module`: the gradient of `input` against the
+/// fixture's "grad.query" and of every parameter against "grad.<name>", each judged relative to the
+/// largest of all these gradients (a bias whose exact gradient is 0 comes out as rounding noise).
+/// `label` names the case in the failure messages.
+void expect_gradients_match(const Fixture& fixture, const torch::nn::Module& module, const torch::Tensor& input,
+                            double tolerance, const std::string& label);
+
 }  // namespace qkv_test
