@@ -293,9 +293,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
         for (int64_t r = 0; r < rows; ++r) {
           acc_t* row = scores.data() + r * cols;
-          // Not std::max, which drops a NaN in its second argument: a NaN score must reach the output.
-          const acc_t block_max = max_of(row, cols);
-          const acc_t new_max = (block_max > row_max[r] || block_max != block_max) ? block_max : row_max[r];
+          const acc_t new_max = nan_max(row_max[r], max_of(row, cols));
           if (new_max == kNegInf) {  // nothing attended yet in this row
             std::fill(row, row + cols, acc_t(0));
             continue;

@@ -55,17 +55,15 @@ double exp_shifted_sum(double* x, int64_t n, double shift) {
   return sum;
 }
 
-// A NaN wins (and then stays, as nothing compares greater than it): a row with a NaN score must
-// give NaN, as softmax does, not pass for a fully masked row (whose maximum is -inf).
 QKV_VECTORISED float max_of(const float* __restrict x, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) best = (x[i] > best || x[i] != x[i]) ? x[i] : best;
+  for (int64_t i = 0; i < n; ++i) best = nan_max(best, x[i]);
   return best;
 }
 
 double max_of(const double* x, int64_t n) {
   double best = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < n; ++i) best = (x[i] > best || x[i] != x[i]) ? x[i] : best;
+  for (int64_t i = 0; i < n; ++i) best = nan_max(best, x[i]);
   return best;
 }
 

@@ -12,7 +12,15 @@ namespace qkv::kernels {
 float exp_shifted_sum(float* x, int64_t n, float shift);
 double exp_shifted_sum(double* x, int64_t n, double shift);
 
-/// The largest of x[0 .. n) (-inf for n = 0).
+/// The larger of a and b, where a NaN in either wins: a row with a NaN score must give NaN, as
+/// softmax does, not pass for a fully masked row (whose maximum is -inf). std::max drops a NaN in
+/// its second argument.
+template <typename T>
+inline T nan_max(T a, T b) {
+  return (b > a || b != b) ? b : a;
+}
+
+/// The largest of x[0 .. n) (-inf for n = 0; NaN if any is NaN).
 float max_of(const float* x, int64_t n);
 double max_of(const double* x, int64_t n);
 
