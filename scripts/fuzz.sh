@@ -2,6 +2,7 @@
 # Builds qkv's libFuzzer targets with clang (in build-fuzz/, ASan + coverage on qkv's own code)
 # and runs each for a bounded time from the seeds in fuzz/corpus/.
 #   scripts/fuzz.sh [SECONDS_PER_TARGET]     (default 60)
+#   QKV_FUZZ_TARGETS="fuzz_backends" scripts/fuzz.sh 120    only the targets named
 # A crash stops the script and leaves the input as build-fuzz/crash-*: make it a regression test.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,11 +17,12 @@ if [[ ! -f "$build/CMakeCache.txt" ]]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DQKV_FUZZ=ON -DQKV_BUILD_TESTS=OFF -DQKV_INSTALL=OFF -DQKV_SANITIZE=address,fuzzer-no-link > /dev/null
 fi
-cmake --build "$build" --target fuzz_weights_loader fuzz_train_options
+targets=(${QKV_FUZZ_TARGETS:-fuzz_weights_loader fuzz_train_options fuzz_backends})
+cmake --build "$build" --target "${targets[@]}"
 export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
-declare -A seeds=([fuzz_weights_loader]=weights [fuzz_train_options]=options)
+declare -A seeds=([fuzz_weights_loader]=weights [fuzz_train_options]=options [fuzz_backends]=backends)
 cd "$build"
-for target in fuzz_weights_loader fuzz_train_options; do
+for target in "${targets[@]}"; do
   corpus="$build/corpus-$target"
   mkdir -p "$corpus"
   echo "== $target for $seconds s"

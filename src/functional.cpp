@@ -6,7 +6,7 @@
 #include <qkv/functional.h>
 
 #include "kernels/kernels.h"
-#include "kernels/tiled_cpu.h"
+#include "kernels/tiled/tiled_cpu.h"
 #include "torch_compat.h"
 
 #include <torch/torch.h>
@@ -139,25 +139,50 @@ void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, cons
 
 }  // namespace
 
-AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
-                                const ScaledDotProductAttentionOptions& options) {
-  if (options.backend() != AttentionBackend::Auto) return options.backend();
+namespace {
+
+// Auto's choice, from the tensors' metadata and whether a gradient will be asked of the call.
+// The table, in order (PyTorch's sdp_utils in miniature): each backend's contract is met by every
+// input that reaches it (the tiled kernel normalises layouts itself, src/kernels/tiled/operands.cpp).
+AttentionBackend auto_backend(const torch::Tensor& q, const torch::Tensor& k,
+                              const ScaledDotProductAttentionOptions& options, bool needs_grad) {
   // Only the math path returns weights. Empty inputs go to it too: some fused kernels reject
   // zero-sized launches, and there is nothing to compute.
   if (options.need_weights() || q.numel() == 0 || k.numel() == 0) return AttentionBackend::Math;
-  // CPU: qkv's tiled kernel, where it has a BLAS. Measured on the 2-core development machine
-  // (docs/PERFORMANCE.md, "Choosing the CPU backend"): faster than the math path at every size
-  // from N = 4 to 4096, forward and backward.
-  // One query row (a decoded token) is three small products: the math path's few operations cost
-  // a little less than setting up the kernel (measured: docs/PERFORMANCE.md, "Decoding").
-  if (kernels::tiled_supports(q) && kernels::tiled_uses_blas() && q.size(-2) > 1) return AttentionBackend::Tiled;
+  if (kernels::tiled_supports(q) && kernels::tiled_uses_blas()) {
+    // One query row at inference (a decoded token) is three small products: the math path's few
+    // operations cost a little less than setting up the kernel (docs/PERFORMANCE.md, "Decoding").
+    // With gradients it stays on the tiled kernel, which (unlike LibTorch's fused CPU kernel)
+    // also gives second-order gradients.
+    if (q.size(-2) == 1 && !needs_grad) return fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
+    // Faster than the math path at every size from N = 4 to 4096, forward and backward, on the
+    // 2-core development machine (docs/PERFORMANCE.md, "Choosing the CPU backend").
+    return AttentionBackend::Tiled;
+  }
   return fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
+}
+
+bool needs_grad(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                const ScaledDotProductAttentionOptions& options) {
+  if (!torch::GradMode::is_enabled()) return false;
+  const auto& mask = options.mask();
+  return q.requires_grad() || k.requires_grad() || v.requires_grad() || (mask.defined() && mask.requires_grad());
+}
+
+}  // namespace
+
+AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
+                                const ScaledDotProductAttentionOptions& options) {
+  if (options.backend() != AttentionBackend::Auto) return options.backend();
+  return auto_backend(q, k, options, needs_grad(q, k, k, options));
 }
 
 AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                              const ScaledDotProductAttentionOptions& options) {
   check_attention_inputs(q, k, v, options);
-  switch (choose_backend(q, k, options)) {
+  const auto backend =
+      options.backend() != AttentionBackend::Auto ? options.backend() : auto_backend(q, k, options, needs_grad(q, k, v, options));
+  switch (backend) {
     case AttentionBackend::Fused:
       return kernels::fused_attention(q, k, v, options);
     case AttentionBackend::Tiled:

@@ -1,7 +1,7 @@
 // Building and checking SelfAttention's masks (polarity: true = may attend; see masks.h).
 #include <qkv/masks.h>
 
-#include "mask_merge.h"
+#include "mask_algebra.h"
 
 #include <torch/torch.h>
 
@@ -28,6 +28,12 @@ torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::De
 }
 
 namespace detail {
+
+torch::Tensor restrict_mask(const torch::Tensor& mask, const torch::Tensor& allowed) {
+  if (!mask.defined()) return allowed;
+  if (mask.scalar_type() == torch::kBool) return mask.logical_and(allowed);
+  return mask.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+}
 
 torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& target) {
   const bool batched = target.batched;
@@ -110,10 +116,8 @@ torch::Tensor merge_attention_mask(const AttentionMask& mask, const MaskTarget& 
     if (pairs.is_floating_point()) pairs = pairs.to(target.dtype);
   }
 
-  if (!pairs.defined()) return keys;
   if (!keys.defined()) return pairs;
-  if (pairs.scalar_type() == torch::kBool) return pairs.logical_and(keys);
-  return pairs.masked_fill(keys.logical_not(), -std::numeric_limits<double>::infinity());
+  return restrict_mask(pairs, keys);
 }
 
 }  // namespace detail

@@ -5,7 +5,7 @@
 // L = cached positions, E = d_model, H = query heads, Hkv = key/value heads, D = E / H.
 #include <qkv/self_attention.h>
 
-#include "mask_merge.h"
+#include "mask_algebra.h"
 #include "rope.h"
 
 #include <torch/torch.h>
@@ -241,8 +241,9 @@ AttentionBackend SelfAttentionImpl::backend_for(const torch::Tensor& query, cons
   const auto& source = context.defined() ? context : query;
   const int64_t B = query.dim() == 3 ? query.size(0) : 1;
   const int64_t D = options.d_model() / options.num_heads();
-  // Stand-ins with the shapes, dtype and device of the attention core's inputs: one element each.
-  const auto stand_in = torch::empty({1}, W_q->weight.options().requires_grad(false));
+  // Stand-ins with the shapes, dtype and device of the attention core's inputs, one element each,
+  // requiring grad as the projections' outputs would.
+  const auto stand_in = torch::empty({1}, W_q->weight.options().requires_grad(W_q->weight.requires_grad()));
   const auto q = stand_in.expand({B, options.num_heads(), query.size(-2), D});
   const auto k = stand_in.expand({B, kv_heads_of(options), source.size(-2), D});
   auto attention = attention_options(/*need_weights=*/false);
@@ -256,6 +257,7 @@ KVCache SelfAttentionImpl::make_cache(int64_t batch, int64_t capacity) const {
   const int64_t D = options.d_model() / options.num_heads();
   KVCache cache(batch, kv_heads_of(options), capacity, D, D, W_q->weight.options());
   if (options.rope()) {
+    cache.rope_base_ = options.rope_base();
     auto table = detail::rope_table(/*offset=*/0, capacity, D, options.rope_base(), W_q->weight.scalar_type(),
                                     W_q->weight.device());
     cache.rope_cos_ = std::move(table.cos), cache.rope_sin_ = std::move(table.sin);
@@ -285,6 +287,17 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
   TORCH_CHECK(cache.kv_heads() == Hkv && cache.head_dim() == D && cache.value_dim() == D,
               "SelfAttention::forward_with_cache: the KVCache has ", cache.kv_heads(), " heads of width ",
               cache.head_dim(), ", this module ", Hkv, " of width ", D, "; make it with this module's make_cache");
+  const auto module_rope = options.rope() ? c10::optional<double>(options.rope_base()) : c10::nullopt;
+  TORCH_CHECK(cache.rope_base_ == module_rope,
+              "SelfAttention::forward_with_cache: the KVCache holds keys rotated ",
+              cache.rope_base_ ? "with rope_base " + std::to_string(*cache.rope_base_) : std::string("without RoPE"),
+              ", this module rotates ",
+              module_rope ? "with rope_base " + std::to_string(*module_rope) : std::string("none (rope is off)"),
+              "; make the cache with this module's make_cache");
+  TORCH_CHECK(!(is_training() && options.dropout() > 0.0),
+              "SelfAttention::forward_with_cache: the module is in training mode with dropout ", options.dropout(),
+              "; cached decoding is inference, so call eval() first (a cache filled with dropped-out "
+              "attention would not equal the full forward)");
   const int64_t B = x.size(0);
   const int64_t T = x.size(1);
   const int64_t L = cache.length();
@@ -294,11 +307,8 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
   auto k = split_heads(W_k(x), Hkv);  // (B, Hkv, T, D)
   auto v = split_heads(W_v(x), Hkv);  // (B, Hkv, T, D)
   if (options.rope()) {
-    // The new positions are L .. L+T-1: their rows of the cache's tables (computed on the spot for
-    // a cache that another module made).
-    const auto table = cache.rope_cos_.defined()
-                           ? detail::RopeTable{cache.rope_cos_.narrow(0, L, T), cache.rope_sin_.narrow(0, L, T)}
-                           : detail::rope_table(L, T, D, options.rope_base(), q.scalar_type(), q.device());
+    // The new positions are L .. L+T-1: their rows of the cache's tables.
+    const detail::RopeTable table{cache.rope_cos_.narrow(0, L, T), cache.rope_sin_.narrow(0, L, T)};
     q = detail::apply_rope(q, table);
     k = detail::apply_rope(k, table);
   }

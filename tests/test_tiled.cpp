@@ -5,7 +5,7 @@
 // B = batch, H = query heads, Hkv = key/value heads, N = queries, S = keys, D = head width.
 #include "support/fixtures.h"
 
-#include "kernels/tiled_cpu.h"
+#include "kernels/tiled/tiled_cpu.h"
 
 #include <gmock/gmock.h>
 
@@ -242,6 +242,20 @@ TEST(TiledDropout, SameSeedSameResultAndTheKeptFractionIsOneMinusP) {
   const double kept = keep.to(torch::kDouble).mean().item<double>();
   const double standard_error = std::sqrt(p * (1 - p) / n);
   EXPECT_NEAR(kept, 1 - p, 4 * standard_error) << "kept " << kept << " of " << n;
+}
+
+// Rows must not share a dropout mask. With 32-bit row keys, R rows share one with probability
+// about R² / 2³³ per pair of keys: at 2^18 rows, 8 expected pairs of identical 63-column masks.
+// With 64-bit keys: 2^36 / 2^65, none. Two distinct masks of 63 columns at p = 0.5 are equal by
+// chance with probability 2^-63, so any equal pair here is a key collision.
+TEST(TiledDropout, NoTwoRowsShareAMask) {
+  const int64_t heads = 4, rows = 65536, keys = 63;
+  const auto keep = qkv::kernels::tiled_dropout_keep_mask(/*seed=*/0xC0FFEE, /*p=*/0.5, 1, heads, rows, keys);
+  const auto bits = torch::pow(2, torch::arange(keys, torch::kLong));  // (keys,)
+  const auto packed = (keep.view({heads * rows, keys}).to(torch::kLong) * bits).sum(/*dim=*/1);  // one int64 per row
+  const auto sorted = std::get<0>(packed.sort());
+  const int64_t shared = (sorted.slice(0, 1) == sorted.slice(0, 0, -1)).sum().item<int64_t>();
+  EXPECT_EQ(shared, 0) << shared << " pairs of rows (of " << heads * rows << ") share their dropout mask";
 }
 
 // With the kernel's own mask Z, the math of dropout is softmax(S) ⊙ Z / (1 - p) times V: the

@@ -26,7 +26,8 @@ AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch
 
 /// The backend scaled_dot_product_attention runs for inputs of these shapes, dtype and device
 /// with these options (Auto resolved): what ran can be reported without keeping any state. Only
-/// the tensors' metadata is read.
+/// the tensors' metadata is read (shapes, dtype, device, and whether q, k or the mask require
+/// grad: v is taken to require it as k does).
 AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
                                 const ScaledDotProductAttentionOptions& options);
 

@@ -3,6 +3,8 @@
 
 #include <qkv/masks.h>
 
+#include "mask_algebra.h"
+
 #include <torch/torch.h>
 
 #include <cmath>
@@ -29,25 +31,10 @@ PreparedMask prepare_mask(const ScaledDotProductAttentionOptions& options, const
     // Key lengths as a mask: (B, 1, 1, S), true for the first key_lengths[b] keys.
     const auto keys =
         key_mask_from_lengths(options.key_lengths(), num_keys).view({options.key_lengths().size(0), 1, 1, num_keys});
-    if (!user_mask.defined()) {
-      user_mask = keys;
-    } else if (user_mask.scalar_type() == torch::kBool) {
-      user_mask = user_mask.logical_and(keys);
-    } else {
-      user_mask = user_mask.masked_fill(keys.logical_not(), kNegInf);
-    }
+    user_mask = detail::restrict_mask(user_mask, keys);
   }
   torch::Tensor mask = user_mask;
-  if (causal) {
-    auto allowed = causal_mask(num_queries, num_keys, q.device());  // (N, S)
-    if (!mask.defined()) {
-      mask = allowed;
-    } else if (mask.scalar_type() == torch::kBool) {
-      mask = mask.logical_and(allowed);
-    } else {
-      mask = mask.masked_fill(allowed.logical_not(), kNegInf);
-    }
-  }
+  if (causal) mask = detail::restrict_mask(mask, causal_mask(num_queries, num_keys, q.device()));  // (N, S)
   prepared.mask = mask;
   // Causal masks alone never empty a row (query i always sees key 0); other masks can. With S = 0
   // every row is empty, but then the products are empty sums and already give zero.

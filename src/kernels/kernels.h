@@ -12,14 +12,17 @@
 namespace qkv::kernels {
 
 /// The documents' four steps with tensor ops: the reference every other backend is tested against.
+/// With dropout, `dropout_keep` (bool, broadcastable to the weights (..., H, N, S)), when given, is
+/// the mask of kept pairs instead of a fresh draw: the tiled kernel's, for its second-order gradients.
 AttentionResult math_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const ScaledDotProductAttentionOptions& options);
+                               const ScaledDotProductAttentionOptions& options,
+                               const torch::Tensor& dropout_keep = {});
 
 /// `at::scaled_dot_product_attention` (LibTorch >= 2.0); throws on older LibTorch.
 AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const ScaledDotProductAttentionOptions& options);
 
-/// qkv's tiled CPU kernel (see tiled_cpu.cpp); CPU float32, float64, bfloat16.
+/// qkv's tiled CPU kernel (see tiled/); CPU float32, float64, bfloat16.
 AttentionResult tiled_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const ScaledDotProductAttentionOptions& options);
 

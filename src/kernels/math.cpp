@@ -33,8 +33,17 @@ torch::Tensor unstack_groups(const torch::Tensor& t, int64_t groups) {
 
 }  // namespace
 
-AttentionResult math_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const ScaledDotProductAttentionOptions& options) {
+AttentionResult math_attention(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
+                               const ScaledDotProductAttentionOptions& options, const torch::Tensor& dropout_keep) {
+  // Half precision on the CPU is computed in float32 and rounded once at the end, as PyTorch's own
+  // math SDPA does: LibTorch's CPU bfloat16 matmul accumulates in bfloat16 for small operands (1.13:
+  // 8% off for a sum of 1000 terms), which would make the reference less exact than the kernels it
+  // checks. (It also fails outright, "could not execute a primitive", on some strided operands.)
+  const auto dtype = q_in.scalar_type();
+  const bool upcast = q_in.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
+  const auto q = upcast ? q_in.to(torch::kFloat) : q_in;
+  const auto k = upcast ? k_in.to(torch::kFloat) : k_in;
+  const auto v = upcast ? v_in.to(torch::kFloat) : v_in;
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   const auto prepared = prepare_mask(options, q, k.size(-2));
   const int64_t groups = options.enable_gqa() ? query_groups(q, k) : 1;
@@ -62,20 +71,25 @@ AttentionResult math_attention(const torch::Tensor& q, const torch::Tensor& k, c
     // zero weights below, so its output and gradients are zero.
     if (prepared.dead_rows.defined()) scores.masked_fill_(prepared.dead_rows, 0.0);
   }
-  // Step 3: softmax per row turns scores into weights that sum to 1. Half-precision scores are
-  // normalised in float32: exp() of bf16 scores loses too much to sum reliably.
+  // Step 3: softmax per row turns scores into weights that sum to 1. Half-precision scores (on
+  // CUDA) are normalised in float32: exp() of bf16 scores loses too much to sum reliably.
   const bool reduced_precision = q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16;
   auto weights = reduced_precision ? torch::softmax(scores, /*dim=*/-1, torch::kFloat).to(q.scalar_type())
                                    : torch::softmax(scores, /*dim=*/-1);  // (..., H, N, S)
   if (prepared.dead_rows.defined()) weights = weights.masked_fill(prepared.dead_rows, 0.0);
   const bool apply_dropout = options.training() && options.dropout() > 0.0;
-  const auto mixing = apply_dropout ? torch::dropout(weights, options.dropout(), /*train=*/true) : weights;
+  torch::Tensor mixing = weights;
+  if (apply_dropout && dropout_keep.defined()) {
+    mixing = weights * dropout_keep * (1.0 / (1.0 - options.dropout()));
+  } else if (apply_dropout) {
+    mixing = torch::dropout(weights, options.dropout(), /*train=*/true);
+  }
   // Step 4: each query's output is the weighted sum of the values.
   auto output = times(mixing, v);  // (..., H, N, Dv)
 
   AttentionResult result;
-  result.output = std::move(output);
-  if (options.need_weights()) result.weights = std::move(weights);
+  result.output = upcast ? output.to(dtype) : std::move(output);
+  if (options.need_weights()) result.weights = upcast ? weights.to(dtype) : std::move(weights);
   result.backend = AttentionBackend::Math;
   return result;
 }

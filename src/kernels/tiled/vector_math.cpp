@@ -1,6 +1,6 @@
 // Compiled with -fno-trapping-math -fno-math-errno (see src/CMakeLists.txt): without them GCC
 // keeps the comparisons below as branches and does not vectorise the loops.
-#include "kernels/vector_math.h"
+#include "kernels/tiled/vector_math.h"
 
 #include <cmath>
 #include <cstring>
@@ -83,15 +83,28 @@ void softmax_backward(const double* p, double* ds, int64_t n, double delta) {
   for (int64_t i = 0; i < n; ++i) ds[i] = p[i] * (ds[i] - delta);
 }
 
-QKV_VECTORISED void dropout_keep(uint32_t row_key, uint32_t first, int64_t n, uint32_t threshold,
+namespace {
+
+// lowbias32 (Chris Wellons' integer hash search): a bijection of 32-bit words with low bias.
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+}  // namespace
+
+QKV_VECTORISED void dropout_keep(uint64_t row_key, uint32_t first, int64_t n, uint32_t threshold,
                                  uint8_t* __restrict keep) {
+  // Both halves of the 64-bit key take part: the column is mixed with the low half, hashed, mixed
+  // with the high half and hashed again. Since lowbias32 is a bijection, two rows whose keys differ
+  // in either half get different words in every column; rows collide only if all 64 bits agree.
+  const uint32_t low = static_cast<uint32_t>(row_key), high = static_cast<uint32_t>(row_key >> 32);
   for (int64_t c = 0; c < n; ++c) {
-    uint32_t x = (first + static_cast<uint32_t>(c)) * 0x9E3779B9u ^ row_key;
-    x ^= x >> 16;
-    x *= 0x7FEB352Du;
-    x ^= x >> 15;
-    x *= 0x846CA68Bu;
-    x ^= x >> 16;
+    const uint32_t x = lowbias32(lowbias32((first + static_cast<uint32_t>(c)) * 0x9E3779B9u ^ low) ^ high);
     keep[c] = x >= threshold ? 1 : 0;
   }
 }

@@ -33,8 +33,8 @@ void softmax_backward(const float* p, float* ds, int64_t n, float delta);
 void softmax_backward(const double* p, double* ds, int64_t n, double delta);
 
 /// keep[c] <- 1 when hash(row_key, first + c) >= threshold, else 0, for c < n: dropout's decision
-/// for n consecutive columns of one row. The hash is lowbias32 (Wellons' integer hash) of the
-/// column number mixed with the row's key, a pure function of its inputs.
-void dropout_keep(uint32_t row_key, uint32_t first, int64_t n, uint32_t threshold, uint8_t* keep);
+/// for n consecutive columns of one row. The hash chains lowbias32 (Wellons' integer hash) over the
+/// column number and the two halves of the row's 64-bit key: a pure function of its inputs.
+void dropout_keep(uint64_t row_key, uint32_t first, int64_t n, uint32_t threshold, uint8_t* keep);
 
 }  // namespace qkv::kernels

@@ -1,0 +1,248 @@
+// The tiled backend as LibTorch's autograd sees it: one autograd::Function whose forward and
+// backward run the kernel's two passes (forward.cpp, backward.cpp) on operands normalised at the
+// kernel's one entry (operands.cpp), dispatched over float32, float64 and bfloat16.
+//
+// Gradients: q, k, v always; an additive mask's when it requires grad (the kernel writes dS,
+// which is that gradient before broadcasting); second order (create_graph) by recomputing the
+// attention with the math backend's differentiable operations on the saved inputs, with the
+// kernel's own dropout mask, so the gradients' history is real, not dropped.
+//
+// B = batch, H = query heads, Hkv = key/value heads, N = queries, S = keys, D = head width, Dv = value width.
+#include "kernels/kernels.h"
+#include "kernels/tiled/blocks.h"
+#include "kernels/tiled/kernel.h"
+#include "kernels/tiled/operands.h"
+#include "kernels/tiled/tiled_cpu.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <torch/torch.h>
+
+#include <mutex>
+
+namespace qkv::kernels {
+namespace tiled {
+namespace {
+
+// What the kernel needs besides the tensors.
+struct Settings {
+  double scale = 1.0, dropout = 0.0;
+  bool causal = false;
+  uint64_t seed = 0;
+};
+
+template <typename acc_t>
+Problem<acc_t> problem_of(const Operands& o, const Settings& settings) {
+  Problem<acc_t> p;
+  p.B = o.q.size(0), p.H = o.q.size(1), p.Hkv = o.k.size(1), p.N = o.q.size(2), p.S = o.k.size(2);
+  p.D = o.q.size(3), p.Dv = o.v.size(3);
+  p.scale = static_cast<acc_t>(settings.scale);
+  p.causal = settings.causal;
+  p.key_lengths = o.key_lengths.numel() > 0 ? o.key_lengths.data_ptr<int64_t>() : nullptr;
+  if (o.mask.dim() == 4) {
+    p.mask.stride_b = o.mask.stride(0), p.mask.stride_h = o.mask.stride(1);
+    p.mask.stride_row = o.mask.stride(2), p.mask.stride_key = o.mask.stride(3);
+    if (o.mask.scalar_type() == torch::kBool) {
+      p.mask.bools = o.mask.data_ptr<bool>();
+    } else {
+      p.mask.values = o.mask.template data_ptr<acc_t>();
+    }
+  }
+  p.dropout = DropoutStream(settings.seed, settings.dropout);
+  return p;
+}
+
+// The pointers and strides of a kernel_readable operand. A dimension of size 1 is never stepped
+// along, whatever its stride; BLAS still checks the leading dimension, so a single row gets its width.
+template <typename T>
+Matrix4<T> matrix_of(const torch::Tensor& t) {
+  TORCH_INTERNAL_ASSERT(t.dim() == 4 && kernel_readable(t), "tiled kernel: operand not normalised, sizes ", t.sizes(),
+                        " strides ", t.strides());
+  const int64_t row_stride = t.size(2) > 1 ? t.stride(2) : std::max<int64_t>(t.size(3), 1);
+  return {t.template data_ptr<T>(), t.stride(0), t.stride(1), std::max<int64_t>(row_stride, 1)};
+}
+
+// The forward's outputs: the attention output (B, H, N, Dv) and the rows' log-sum-exp (B, H, N).
+std::pair<torch::Tensor, torch::Tensor> run_forward(const Operands& o, const Settings& settings) {
+  const auto& q = o.q;
+  torch::Tensor out, lse;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "qkv_tiled_forward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto p = problem_of<acc_t>(o, settings);
+    out = torch::empty({p.B, p.H, p.N, p.Dv}, q.options());
+    lse = torch::empty({p.B, p.H, p.N}, q.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    forward_blocks<scalar_t, acc_t>(p, matrix_of<scalar_t>(o.q), matrix_of<scalar_t>(o.k), matrix_of<scalar_t>(o.v),
+                                    out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
+  });
+  return {out, lse};
+}
+
+struct Gradients {
+  torch::Tensor q, k, v, mask;
+};
+
+Gradients run_backward(const Operands& o, const torch::Tensor& out, const torch::Tensor& lse,
+                       const torch::Tensor& grad_out, const Settings& settings, bool want_mask_gradient) {
+  const auto& q = o.q;
+  Gradients grads;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "qkv_tiled_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto p = problem_of<acc_t>(o, settings);
+    grads.q = torch::empty({p.B, p.H, p.N, p.D}, q.options());
+    grads.k = torch::empty({p.B, p.Hkv, p.S, p.D}, q.options());
+    grads.v = torch::empty({p.B, p.Hkv, p.S, p.Dv}, q.options());
+    if (want_mask_gradient) grads.mask = torch::zeros({p.B, p.H, p.N, p.S}, lse.options());
+    const auto grad = grad_out.contiguous();
+    backward_blocks<scalar_t, acc_t>(p, matrix_of<scalar_t>(o.q), matrix_of<scalar_t>(o.k),
+                                     matrix_of<scalar_t>(o.v), out.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(),
+                                     lse.data_ptr<acc_t>(), grads.q.data_ptr<scalar_t>(), grads.k.data_ptr<scalar_t>(),
+                                     grads.v.data_ptr<scalar_t>(),
+                                     want_mask_gradient ? grads.mask.data_ptr<acc_t>() : nullptr);
+  });
+  return grads;
+}
+
+// The same attention with the math backend's differentiable operations (the kernel's own dropout
+// mask included): what a second-order gradient differentiates.
+torch::Tensor math_recomputation(const Operands& o, const Settings& settings) {
+  auto options = ScaledDotProductAttentionOptions()
+                     .causal(settings.causal)
+                     .scale(settings.scale)
+                     .enable_gqa(o.q.size(1) != o.k.size(1))
+                     .backend(AttentionBackend::Math);
+  if (o.mask.dim() == 4) options.mask(o.mask);
+  if (o.key_lengths.numel() > 0) options.key_lengths(o.key_lengths);
+  torch::Tensor keep;
+  if (settings.dropout > 0) {
+    options.dropout(settings.dropout).training(true);
+    keep = tiled_dropout_keep_mask(settings.seed, settings.dropout, o.q.size(0), o.q.size(1), o.q.size(2), o.k.size(2));
+  }
+  return math_attention(o.q, o.k, o.v, options, keep).output;
+}
+
+// The tensors the forward keeps for the backward, by name. They go through save_for_backward (so
+// autograd refuses a backward after any of them was modified in place); the settings through saved_data.
+struct SavedState {
+  Operands operands;
+  torch::Tensor output, lse;
+  Settings settings;
+
+  void save(torch::autograd::AutogradContext* ctx) const {
+    const auto& o = operands;
+    ctx->save_for_backward({o.q, o.k, o.v, o.mask, o.key_lengths, output, lse});
+    ctx->saved_data["scale"] = settings.scale;
+    ctx->saved_data["dropout"] = settings.dropout;
+    ctx->saved_data["causal"] = settings.causal;
+    ctx->saved_data["seed"] = static_cast<int64_t>(settings.seed);
+  }
+
+  static SavedState load(torch::autograd::AutogradContext* ctx) {
+    const auto saved = ctx->get_saved_variables();
+    SavedState state;
+    auto& o = state.operands;
+    o.q = saved[0], o.k = saved[1], o.v = saved[2], o.mask = saved[3], o.key_lengths = saved[4];
+    state.output = saved[5], state.lse = saved[6];
+    state.settings.scale = ctx->saved_data["scale"].toDouble();
+    state.settings.dropout = ctx->saved_data["dropout"].toDouble();
+    state.settings.causal = ctx->saved_data["causal"].toBool();
+    state.settings.seed = static_cast<uint64_t>(ctx->saved_data["seed"].toInt());
+    return state;
+  }
+};
+
+class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFunction> {
+ public:
+  // The inputs in this order, so that the backward returns one gradient per input.
+  enum Input { kQuery, kKey, kValue, kMask, kKeyLengths, kScale, kCausal, kDropout, kSeed, kInputs };
+
+  // q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), mask (B, H, N, S) view or empty,
+  // key_lengths (B,) or empty, all from normalise_operands. Returns the output (B, H, N, Dv).
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const torch::Tensor& mask, const torch::Tensor& key_lengths,
+                               double scale, bool causal, double dropout, int64_t seed) {
+    SavedState state;
+    state.operands.q = q, state.operands.k = k, state.operands.v = v;
+    state.operands.mask = mask, state.operands.key_lengths = key_lengths;
+    state.settings = Settings{scale, dropout, causal, static_cast<uint64_t>(seed)};
+    std::tie(state.output, state.lse) = run_forward(state.operands, state.settings);
+    state.save(ctx);
+    return state.output;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grad_outputs) {
+    const auto state = SavedState::load(ctx);
+    const auto& o = state.operands;
+    const bool mask_gradient = ctx->needs_input_grad(kMask) && o.mask.is_floating_point();
+    torch::autograd::tensor_list grads(kInputs);
+    if (torch::GradMode::is_enabled()) {
+      // create_graph: the gradients must themselves be differentiable.
+      return second_order_ready_gradients(ctx, state, grad_outputs[0]);
+    }
+    auto computed = run_backward(o, state.output, state.lse, grad_outputs[0], state.settings, mask_gradient);
+    grads[kQuery] = computed.q, grads[kKey] = computed.k, grads[kValue] = computed.v;
+    if (mask_gradient) grads[kMask] = computed.mask;
+    return grads;
+  }
+
+ private:
+  static torch::autograd::tensor_list second_order_ready_gradients(torch::autograd::AutogradContext* ctx,
+                                                                   const SavedState& state,
+                                                                   const torch::Tensor& grad_out) {
+    const auto& o = state.operands;
+    std::vector<torch::Tensor> inputs;
+    std::vector<Input> which;
+    for (const auto& [index, tensor] : {std::pair{kQuery, o.q}, std::pair{kKey, o.k}, std::pair{kValue, o.v},
+                                        std::pair{kMask, o.mask}}) {
+      if (ctx->needs_input_grad(index) && tensor.requires_grad()) inputs.push_back(tensor), which.push_back(index);
+    }
+    torch::autograd::tensor_list grads(kInputs);
+    if (inputs.empty()) return grads;
+    const auto output = math_recomputation(o, state.settings);
+    const auto computed = torch::autograd::grad({output}, inputs, {grad_out}, /*retain_graph=*/true,
+                                                /*create_graph=*/true, /*allow_unused=*/true);
+    for (size_t i = 0; i < which.size(); ++i) grads[which[i]] = computed[i];
+    return grads;
+  }
+};
+
+}  // namespace
+}  // namespace tiled
+
+bool tiled_supports(const torch::Tensor& q) {
+  return q.device().is_cpu() &&
+         (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble || q.scalar_type() == torch::kBFloat16);
+}
+
+bool tiled_uses_blas() { return tiled::gemm_uses_blas(); }
+
+AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                          const ScaledDotProductAttentionOptions& options, uint64_t seed) {
+  TORCH_CHECK(tiled_supports(q),
+              "scaled_dot_product_attention: the tiled backend runs on the CPU in float32, float64 "
+              "or bfloat16, got ",
+              q.scalar_type(), " on ", q.device());
+  const auto operands = tiled::normalise_operands(q, k, v, options);
+  const double dropout = options.training() ? options.dropout() : 0.0;
+  auto output = tiled::TiledAttentionFunction::apply(operands.q, operands.k, operands.v, operands.mask,
+                                                     operands.key_lengths, resolved_scale(options, q.size(-1)),
+                                                     options.causal(), dropout, static_cast<int64_t>(seed));
+  AttentionResult result;
+  result.output = output.reshape(operands.output_shape);
+  result.backend = AttentionBackend::Tiled;
+  return result;
+}
+
+AttentionResult tiled_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const ScaledDotProductAttentionOptions& options) {
+  uint64_t seed = 0;
+  if (options.training() && options.dropout() > 0.0) {
+    // From LibTorch's CPU generator, so that torch::manual_seed makes runs repeatable.
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    seed = generator.get<at::CPUGeneratorImpl>()->random64();
+  }
+  return tiled_attention_with_seed(q, k, v, options, seed);
+}
+
+}  // namespace qkv::kernels

@@ -1,0 +1,156 @@
+// The tiled kernel's backward pass. Each task owns one key/value head (and so the dK, dV of all
+// its keys and the dQ of the G query heads that share it); for every key block it recomputes the
+// probabilities P = exp(S - L) block by block from the forward's L and accumulates
+// dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K with dS = P ⊙ (dO Vᵀ - rowsum(dO ⊙ O)). Tasks run under
+// at::parallel_for with per-thread scratch and no atomics. Asked for it, it also writes dS itself:
+// the gradient of an additive mask (a learned bias).
+//
+// B = batch, H = query heads, Hkv = key/value heads, G = H / Hkv, N = query rows, S = keys,
+// D = head width, Dv = value width.
+#include "kernels/tiled/blocks.h"
+#include "kernels/tiled/kernel.h"
+#include "kernels/tiled/vector_math.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace qkv::kernels::tiled {
+
+template <typename scalar_t, typename acc_t>
+void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
+                     const Matrix4<scalar_t>& v, const scalar_t* out, const scalar_t* grad_out, const acc_t* lse,
+                     scalar_t* grad_q, scalar_t* grad_k, scalar_t* grad_v, acc_t* grad_scores) {
+  const int64_t G = p.groups();
+  at::parallel_for(0, p.B * p.Hkv, tasks_per_chunk(p, p.groups() * p.N), [&](int64_t begin, int64_t end) {
+    const SingleThreadedBlas single_threaded;
+    std::vector<acc_t> probabilities(kRowsPerBlock * kKeysPerBlock), grad_probabilities(kRowsPerBlock * kKeysPerBlock),
+        dropped(kRowsPerBlock * kKeysPerBlock), grad_k_block, grad_v_block, grad_q_all, delta, q_scratch, k_scratch,
+        v_scratch, o_scratch;
+    std::vector<uint8_t> keep(kKeysPerBlock);
+    grad_k_block.resize(static_cast<size_t>(kKeysPerBlock * p.D));
+    grad_v_block.resize(static_cast<size_t>(kKeysPerBlock * p.Dv));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv_head = task % p.Hkv, b = task / p.Hkv;
+      // D_i = rowsum(dO ⊙ O) of every row of the G query heads, and their dQ accumulators.
+      delta.assign(static_cast<size_t>(G * p.N), acc_t(0));
+      grad_q_all.assign(static_cast<size_t>(G * p.N * p.D), acc_t(0));
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kv_head * G + g;
+        for (int64_t i = 0; i < p.N; ++i) {
+          const scalar_t* o_row = out + ((b * p.H + h) * p.N + i) * p.Dv;
+          const scalar_t* go_row = grad_out + ((b * p.H + h) * p.N + i) * p.Dv;
+          acc_t sum = 0;
+          for (int64_t d = 0; d < p.Dv; ++d) sum += static_cast<acc_t>(o_row[d]) * static_cast<acc_t>(go_row[d]);
+          delta[g * p.N + i] = sum;
+        }
+      }
+      const int64_t key_end = p.key_limit(b, p.N);
+      for (int64_t j0 = 0; j0 < p.S; j0 += kKeysPerBlock) {
+        const int64_t cols = std::min(kKeysPerBlock, p.S - j0);
+        scalar_t* gk = grad_k + ((b * p.Hkv + kv_head) * p.S + j0) * p.D;
+        scalar_t* gv = grad_v + ((b * p.Hkv + kv_head) * p.S + j0) * p.Dv;
+        if (j0 >= key_end) {  // keys no row attends to: zero gradients
+          std::fill(gk, gk + cols * p.D, scalar_t(0));
+          std::fill(gv, gv + cols * p.Dv, scalar_t(0));
+          continue;
+        }
+        int64_t ldk = 0, ldv = 0;
+        const acc_t* k_rows = rows_as<scalar_t, acc_t>(k.rows(b, kv_head, j0), k.stride_row, cols, p.D, k_scratch, ldk);
+        const acc_t* v_rows =
+            rows_as<scalar_t, acc_t>(v.rows(b, kv_head, j0), v.stride_row, cols, p.Dv, v_scratch, ldv);
+        std::fill(grad_k_block.begin(), grad_k_block.end(), acc_t(0));
+        std::fill(grad_v_block.begin(), grad_v_block.end(), acc_t(0));
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = kv_head * G + g;
+          // Causal: rows above the block's first key never see it.
+          const int64_t first_row = p.causal ? (j0 / kRowsPerBlock) * kRowsPerBlock : 0;
+          for (int64_t i0 = first_row; i0 < p.N; i0 += kRowsPerBlock) {
+            const int64_t rows = std::min(kRowsPerBlock, p.N - i0);
+            int64_t ldq = 0, ldo = 0;
+            const acc_t* q_rows = rows_as<scalar_t, acc_t>(q.rows(b, h, i0), q.stride_row, rows, p.D, q_scratch, ldq);
+            const acc_t* go_rows = rows_as<scalar_t, acc_t>(grad_out + ((b * p.H + h) * p.N + i0) * p.Dv, p.Dv, rows,
+                                                            p.Dv, o_scratch, ldo);
+            // P = exp(S - L): the forward's probabilities, recomputed.
+            gemm(false, true, rows, cols, p.D, p.scale, q_rows, ldq, k_rows, ldk, acc_t(0), probabilities.data(),
+                        cols);
+            p.apply_masks(b, h, i0, rows, j0, cols, probabilities.data(), cols);
+            for (int64_t r = 0; r < rows; ++r) {
+              const acc_t row_lse = lse[(b * p.H + h) * p.N + i0 + r];
+              acc_t* row = probabilities.data() + r * cols;
+              if (row_lse == std::numeric_limits<acc_t>::infinity()) {  // a row with no key: P = 0
+                std::fill(row, row + cols, acc_t(0));
+              } else {
+                exp_shifted_sum(row, cols, row_lse);
+              }
+            }
+            // dP = dO Vᵀ
+            gemm(false, true, rows, cols, p.Dv, acc_t(1), go_rows, ldo, v_rows, ldv, acc_t(0),
+                        grad_probabilities.data(), cols);
+            // The forward multiplied P by Z / (1 - p) (Z: the kept pairs): V's gradient takes that
+            // product, and dP the same factor.
+            const acc_t* value_weights = probabilities.data();
+            if (p.dropout.active()) {
+              const acc_t kept = static_cast<acc_t>(p.dropout.scale());
+              for (int64_t r = 0; r < rows; ++r) {
+                p.dropout.keep(b * p.H + h, i0 + r, j0, cols, keep.data());
+                const acc_t* row_p = probabilities.data() + r * cols;
+                acc_t* row_dropped = dropped.data() + r * cols;
+                acc_t* row_dp = grad_probabilities.data() + r * cols;
+                for (int64_t c = 0; c < cols; ++c) {
+                  row_dropped[c] = keep[c] ? row_p[c] * kept : acc_t(0);
+                  row_dp[c] = keep[c] ? row_dp[c] * kept : acc_t(0);
+                }
+              }
+              value_weights = dropped.data();
+            }
+            // dV += (P ⊙ Z / (1 - p))ᵀ dO
+            gemm(true, false, cols, p.Dv, rows, acc_t(1), value_weights, cols, go_rows, ldo, acc_t(1),
+                        grad_v_block.data(), p.Dv);
+            // dS = P ⊙ (dP - D_i), in place of dP.
+            for (int64_t r = 0; r < rows; ++r) {
+              softmax_backward(probabilities.data() + r * cols, grad_probabilities.data() + r * cols, cols,
+                               delta[g * p.N + i0 + r]);
+            }
+            if (grad_scores != nullptr) {  // dS is the additive mask's gradient, as it is the scores'
+              for (int64_t r = 0; r < rows; ++r) {
+                std::memcpy(grad_scores + ((b * p.H + h) * p.N + i0 + r) * p.S + j0,
+                            grad_probabilities.data() + r * cols, sizeof(acc_t) * static_cast<size_t>(cols));
+              }
+            }
+            // dK += scale · dSᵀ Q; dQ += scale · dS K
+            gemm(true, false, cols, p.D, rows, p.scale, grad_probabilities.data(), cols, q_rows, ldq, acc_t(1),
+                        grad_k_block.data(), p.D);
+            gemm(false, false, rows, p.D, cols, p.scale, grad_probabilities.data(), cols, k_rows, ldk, acc_t(1),
+                        grad_q_all.data() + (g * p.N + i0) * p.D, p.D);
+          }
+        }
+        for (int64_t n = 0; n < cols * p.D; ++n) gk[n] = static_cast<scalar_t>(grad_k_block[n]);
+        for (int64_t n = 0; n < cols * p.Dv; ++n) gv[n] = static_cast<scalar_t>(grad_v_block[n]);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kv_head * G + g;
+        scalar_t* gq = grad_q + (b * p.H + h) * p.N * p.D;
+        const acc_t* source = grad_q_all.data() + g * p.N * p.D;
+        for (int64_t n = 0; n < p.N * p.D; ++n) gq[n] = static_cast<scalar_t>(source[n]);
+      }
+    }
+  });
+}
+
+template void backward_blocks<float, float>(const Problem<float>&, const Matrix4<float>&, const Matrix4<float>&,
+                                            const Matrix4<float>&, const float*, const float*, const float*, float*,
+                                            float*, float*, float*);
+template void backward_blocks<double, double>(const Problem<double>&, const Matrix4<double>&,
+                                              const Matrix4<double>&, const Matrix4<double>&, const double*,
+                                              const double*, const double*, double*, double*, double*, double*);
+template void backward_blocks<c10::BFloat16, float>(const Problem<float>&, const Matrix4<c10::BFloat16>&,
+                                                    const Matrix4<c10::BFloat16>&, const Matrix4<c10::BFloat16>&,
+                                                    const c10::BFloat16*, const c10::BFloat16*, const float*,
+                                                    c10::BFloat16*, c10::BFloat16*, c10::BFloat16*, float*);
+
+}  // namespace qkv::kernels::tiled

@@ -1,0 +1,79 @@
+#include "kernels/tiled/blocks.h"
+
+#if defined(QKV_HAVE_CBLAS)
+#include <cblas.h>
+#endif
+#if defined(QKV_HAVE_OPENMP)
+#include <omp.h>
+#endif
+
+namespace qkv::kernels::tiled {
+namespace {
+
+#if !defined(QKV_HAVE_CBLAS)
+// Without a CBLAS at build time: plain loops (correct, slow; Auto then prefers other backends).
+template <typename T>
+void loop_gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+               const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      T sum = 0;
+      for (int64_t p = 0; p < k; ++p) {
+        const T x = transpose_a ? a[p * lda + i] : a[i * lda + p];
+        const T y = transpose_b ? b[j * ldb + p] : b[p * ldb + j];
+        sum += x * y;
+      }
+      c[i * ldc + j] = alpha * sum + (beta == T(0) ? T(0) : beta * c[i * ldc + j]);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+#if defined(QKV_HAVE_CBLAS)
+  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans,
+              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
+              static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+#else
+  loop_gemm(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#endif
+}
+
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+          int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+#if defined(QKV_HAVE_CBLAS)
+  cblas_dgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans,
+              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
+              static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+#else
+  loop_gemm(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#endif
+}
+
+bool gemm_uses_blas() {
+#if defined(QKV_HAVE_CBLAS)
+  return true;
+#else
+  return false;
+#endif
+}
+
+SingleThreadedBlas::SingleThreadedBlas() {
+#if defined(QKV_HAVE_OPENMP)
+  saved_ = omp_get_max_threads();
+  omp_set_num_threads(1);
+#endif
+}
+
+SingleThreadedBlas::~SingleThreadedBlas() {
+#if defined(QKV_HAVE_OPENMP)
+  omp_set_num_threads(saved_);
+#endif
+}
+
+}  // namespace qkv::kernels::tiled

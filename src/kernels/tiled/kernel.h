@@ -1,0 +1,116 @@
+// The tiled kernel's two passes and the problem they share, as raw pointers and strides. Whatever
+// reaches here has been normalised by operands.cpp (the kernel's one entry). Private to qkv.
+//
+// B = batch, H = query heads, Hkv = key/value heads, G = H / Hkv, N = query rows, S = keys,
+// D = head width, Dv = value width, Br / Bc = rows / keys per block.
+#pragma once
+
+#include "kernels/tiled/dropout.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace qkv::kernels::tiled {
+
+// Measured on the 2-core development machine (B=8 H=8 N=512 D=32 forward+backward and B=1 H=8
+// N=4096 D=64 forward, float32, Br in {32, 64, 128} × Bc in {64, ..., 512}): 64 × 256 was fastest.
+constexpr int64_t kRowsPerBlock = 64;   // Br
+constexpr int64_t kKeysPerBlock = 256;  // Bc
+
+/// A 4-D operand (B, H, rows, width) with unit stride along the width and rows at least `width`
+/// apart (BLAS's leading dimension): row r of head (b, h) starts at data + b·stride_b + h·stride_h + r·stride_row.
+template <typename T>
+struct Matrix4 {
+  const T* data = nullptr;
+  int64_t stride_b = 0, stride_h = 0, stride_row = 0;
+  const T* rows(int64_t b, int64_t h, int64_t row) const {
+    return data + b * stride_b + h * stride_h + row * stride_row;
+  }
+};
+
+/// The general mask, broadcast to (B, H, N, S) by strides (0 where it broadcasts): bool (true =
+/// attend) or additive values in the accumulation type.
+template <typename acc_t>
+struct MaskView {
+  const bool* bools = nullptr;
+  const acc_t* values = nullptr;
+  int64_t stride_b = 0, stride_h = 0, stride_row = 0, stride_key = 0;
+  bool defined() const { return bools != nullptr || values != nullptr; }
+};
+
+template <typename acc_t>
+struct Problem {
+  int64_t B = 0, H = 0, Hkv = 0, N = 0, S = 0, D = 0, Dv = 0;
+  acc_t scale = 1;
+  bool causal = false;
+  const int64_t* key_lengths = nullptr;  // (B,) or null
+  MaskView<acc_t> mask;
+  DropoutStream dropout{0, 0.0};
+
+  int64_t groups() const { return H / Hkv; }
+  // Keys that can matter to rows [i0, i1) of batch b: past the length and above the diagonal, none.
+  int64_t key_limit(int64_t b, int64_t i1) const {
+    int64_t limit = S;
+    if (key_lengths != nullptr) limit = std::min(limit, std::max<int64_t>(key_lengths[b], 0));
+    if (causal) limit = std::min(limit, i1);
+    return limit;
+  }
+  // Scores of rows [i0, i0 + rows) and keys [j0, j0 + cols) after the masks: -inf where masked.
+  void apply_masks(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols, acc_t* scores,
+                   int64_t ld) const {
+    constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+    const int64_t length = key_lengths != nullptr ? key_lengths[b] : S;
+    const bool partial_length = j0 + cols > length;
+    const bool partial_causal = causal && j0 + cols - 1 > i0;
+    for (int64_t r = 0; r < rows; ++r) {
+      acc_t* row = scores + r * ld;
+      const int64_t i = i0 + r;
+      if (mask.defined()) {
+        const int64_t base = b * mask.stride_b + h * mask.stride_h + i * mask.stride_row;
+        if (mask.bools != nullptr) {
+          for (int64_t c = 0; c < cols; ++c) {
+            if (!mask.bools[base + (j0 + c) * mask.stride_key]) row[c] = kNegInf;
+          }
+        } else {
+          for (int64_t c = 0; c < cols; ++c) row[c] += mask.values[base + (j0 + c) * mask.stride_key];
+        }
+      }
+      if (partial_length) {
+        for (int64_t c = std::max<int64_t>(0, length - j0); c < cols; ++c) row[c] = kNegInf;
+      }
+      if (partial_causal) {
+        for (int64_t c = std::max<int64_t>(0, i + 1 - j0); c < cols; ++c) row[c] = kNegInf;
+      }
+    }
+  }
+};
+
+/// Tasks per chunk of at::parallel_for: 1, unless the tasks are so small (decoding one position:
+/// one row against the cache) that starting the threads would cost more than the arithmetic; then
+/// enough of them to make about 1 MFLOP per chunk, which keeps a decoded token's attention on the
+/// calling thread.
+template <typename acc_t>
+int64_t tasks_per_chunk(const Problem<acc_t>& p, int64_t rows_per_task) {
+  constexpr double kFlopsPerChunk = 1e6;
+  const double flops = 4.0 * static_cast<double>(rows_per_task) * static_cast<double>(p.S) *
+                       static_cast<double>(std::max(p.D, p.Dv));
+  return std::max<int64_t>(1, static_cast<int64_t>(kFlopsPerChunk / std::max(flops, 1.0)));
+}
+
+/// Forward: out (B, H, N, Dv) contiguous and the rows' log-sum-exp lse (B, H, N) (+inf for a row
+/// with no key). Instantiated for (float, float), (double, double), (BFloat16, float).
+template <typename scalar_t, typename acc_t>
+void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
+                    const Matrix4<scalar_t>& v, scalar_t* out, acc_t* lse);
+
+/// Backward: grad_q (B, H, N, D), grad_k (B, Hkv, S, D), grad_v (B, Hkv, S, Dv), contiguous, from
+/// out and grad_out (B, H, N, Dv) contiguous and the forward's lse. When grad_scores is not null it
+/// receives dS, the gradient of the scores after the mask (B, H, N, S) contiguous, which is the
+/// gradient of an additive mask before broadcasting; it must be zero-filled on entry.
+template <typename scalar_t, typename acc_t>
+void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
+                     const Matrix4<scalar_t>& v, const scalar_t* out, const scalar_t* grad_out, const acc_t* lse,
+                     scalar_t* grad_q, scalar_t* grad_k, scalar_t* grad_v, acc_t* grad_scores);
+
+}  // namespace qkv::kernels::tiled

@@ -1,0 +1,66 @@
+#include "kernels/tiled/operands.h"
+
+#include "kernels/kernels.h"
+
+#include <torch/torch.h>
+
+namespace qkv::kernels::tiled {
+
+bool kernel_readable(const torch::Tensor& t) {
+  const int64_t rows = t.size(-2), width = t.size(-1);
+  const bool unit_width_stride = width <= 1 || t.stride(-1) == 1;
+  const bool rows_apart = rows <= 1 || t.stride(-2) >= width;
+  return unit_width_stride && rows_apart;
+}
+
+namespace {
+
+// (..., rows, width) as (B, H, rows, width). Rank 3 is (H, ...) with grouped heads, else (B, ...).
+torch::Tensor as_four_dims(const torch::Tensor& t, bool grouped) {
+  switch (t.dim()) {
+    case 2:
+      return t.unsqueeze(0).unsqueeze(0);
+    case 3:
+      return grouped ? t.unsqueeze(0) : t.unsqueeze(1);
+    case 4:
+      return t;
+    default:
+      return t.reshape({-1, t.size(-3), t.size(-2), t.size(-1)});
+  }
+}
+
+torch::Tensor readable(const torch::Tensor& t) { return kernel_readable(t) ? t : t.contiguous(); }
+
+}  // namespace
+
+Operands normalise_operands(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const ScaledDotProductAttentionOptions& options) {
+  const bool grouped = options.enable_gqa() && query_groups(q, k) > 1;
+  Operands operands;
+  operands.output_shape = q.sizes().vec();
+  operands.output_shape.back() = v.size(-1);
+  // contiguous() may keep odd strides on dimensions of size 1 (it calls a tensor contiguous
+  // without looking at them); kernel_readable ignores those too, and the kernel never steps along them.
+  operands.q = readable(as_four_dims(q, grouped));
+  operands.k = readable(as_four_dims(k, grouped));
+  operands.v = readable(as_four_dims(v, grouped));
+
+  const auto& mask = options.mask();
+  if (mask.defined()) {
+    // Floating masks in the accumulation type (float32 for bfloat16, whose 8 bits of mantissa
+    // would round a bias the other backends add exactly).
+    auto kernel_mask = mask;
+    if (mask.is_floating_point()) kernel_mask = mask.to(q.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
+    auto scores_shape = q.sizes().vec();
+    scores_shape.back() = k.size(-2);
+    operands.mask = as_four_dims(kernel_mask.expand(scores_shape), grouped);  // (B, H, N, S), stride 0 where it broadcasts
+  } else {
+    operands.mask = torch::empty({0}, torch::kBool);
+  }
+  const auto& lengths = options.key_lengths();
+  operands.key_lengths =
+      lengths.defined() ? lengths.to(torch::kCPU, torch::kLong).contiguous() : torch::empty({0}, torch::kLong);
+  return operands;
+}
+
+}  // namespace qkv::kernels::tiled

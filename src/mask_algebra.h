@@ -1,0 +1,38 @@
+// qkv's mask algebra, used by the module and by every backend: restricting a mask to the pairs
+// another allows, and turning an AttentionMask into the one mask tensor the attention core takes.
+// Private to qkv.
+#pragma once
+
+#include <qkv/masks.h>
+
+#include <torch/types.h>
+
+#include <cstdint>
+
+namespace qkv::detail {
+
+/// `mask` restricted to the pairs that `allowed` (bool, true = may attend, broadcastable with
+/// `mask`) permits: a logical AND for a bool mask, -inf where not allowed for a floating one (so
+/// a learned bias keeps its gradient elsewhere); `allowed` itself when `mask` is undefined.
+torch::Tensor restrict_mask(const torch::Tensor& mask, const torch::Tensor& allowed);
+
+/// What a mask is checked against: a batch of `batch` queries (N of them) attending to S keys
+/// with H heads. `batched` false means the input had no batch dimension (batch is then 1 and
+/// the masks are given without B).
+struct MaskTarget {
+  bool batched = true;
+  int64_t batch = 1, heads = 1, num_queries = 0, num_keys = 0;
+  torch::ScalarType dtype = torch::kFloat;  // of the scores: floating masks are converted to it
+  torch::Device device = torch::kCPU;
+};
+
+/// Checks `mask.key_lengths` against `target` (shape, integer dtype, device, values in [0, S]) and
+/// returns them as int64 (B,).
+torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& target);
+
+/// Checks every part of `mask` against `target` and merges them into one tensor broadcastable to
+/// (B, H, N, S): bool when every part is bool, else floating in target.dtype (-inf where a bool
+/// part forbids). Undefined when the mask is empty.
+torch::Tensor merge_attention_mask(const AttentionMask& mask, const MaskTarget& target);
+
+}  // namespace qkv::detail

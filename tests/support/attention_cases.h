@@ -1,0 +1,139 @@
+// Random cases of the attention core for the differential test (tests/test_backends_agree.cpp) and
+// the libFuzzer target (fuzz/fuzz_backends.cpp): shapes, grouped-query heads, causal with N != S,
+// every mask kind and broadcast shape, eight memory layouts of q, k, v and the mask, three dtypes.
+// A case is drawn from a Chooser (a seeded generator in the test, the fuzzer's bytes in the
+// fuzzer), printed whole by describe(), and run by every backend against the math path on the
+// same leaf tensors, comparing the output and the gradient of every input, the mask's included.
+//
+// B = batch, H = query heads, Hkv = key/value heads, N = queries, S = keys, D = head width, Dv = value width.
+#pragma once
+
+#include <qkv/functional.h>
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace qkv_test {
+
+/// Where a case's choices come from: pick(n) returns a number in [0, n).
+class Chooser {
+ public:
+  virtual ~Chooser() = default;
+  virtual int64_t pick(int64_t n) = 0;
+  template <typename T>
+  T one_of(const std::vector<T>& values) {
+    return values[static_cast<size_t>(pick(static_cast<int64_t>(values.size())))];
+  }
+  bool chance(int64_t one_in) { return pick(one_in) == 0; }
+};
+
+/// Choices from a seeded std::mt19937 (the differential test).
+class RandomChooser : public Chooser {
+ public:
+  explicit RandomChooser(uint32_t seed) : random_(seed) {}
+  int64_t pick(int64_t n) override { return std::uniform_int_distribution<int64_t>(0, n - 1)(random_); }
+
+ private:
+  std::mt19937 random_;
+};
+
+/// Choices read from bytes (the fuzzer); 0 once they run out.
+class ByteChooser : public Chooser {
+ public:
+  ByteChooser(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  int64_t pick(int64_t n) override {
+    if (n <= 1 || position_ >= size_) return 0;
+    return data_[position_++] % n;
+  }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t position_ = 0;
+};
+
+/// How a tensor of a given logical shape sits in memory: each gives a view whose strides the
+/// kernels must read correctly (or normalise), with the gradient landing on the leaf behind it.
+enum class Layout {
+  Contiguous,
+  HeadsTransposed,    // stored (B, N, H, D), viewed (B, H, N, D): the module's split_heads
+  LastTransposed,     // stored (..., D, N), viewed (..., N, D): stride(-1) != 1
+  SlicedWithStep,     // every second row and column of a larger tensor
+  Unfolded,           // unfold(positions): overlapping rows, stride(-2) = 1 < D
+  ExpandedPositions,  // one row expanded along positions: stride(-2) = 0
+  ExpandedLeading,    // expanded along batch and heads: stride 0 in front
+  OddUnitStrides,     // as_strided with odd strides on every size-1 dimension
+};
+const char* to_string(Layout layout);
+
+enum class MaskKind {
+  None,
+  KeyLengths,     // options.key_lengths
+  BoolKeys,       // bool (B, 1, 1, S)
+  BoolPairs,      // bool (B, H, N, S), some rows fully masked
+  BoolBroadcast,  // bool (N, S)
+  FloatInf,       // float (N, S) with -inf entries
+  FloatGrad,      // float (B|1, H|1, N, S) requiring grad: a learned bias (ALiBi, T5, Swin)
+  FloatGradInf,   // the same with -inf entries and a fully masked row
+};
+const char* to_string(MaskKind kind);
+
+struct AttentionCase {
+  int64_t B = 1, H = 1, Hkv = 1, N = 1, S = 1, D = 1, Dv = 1;
+  bool causal = false;
+  bool unbatched = false;  // q, k, v of rank 3 (H, N, D): no batch dimension
+  MaskKind mask = MaskKind::None;
+  std::vector<int64_t> mask_shape;  // of the float/bool mask
+  Layout q_layout = Layout::Contiguous, k_layout = Layout::Contiguous, v_layout = Layout::Contiguous;
+  Layout mask_layout = Layout::Contiguous;
+  torch::ScalarType dtype = torch::kFloat;
+  c10::optional<double> scale;
+  uint64_t seed = 0;  // of the tensors' values
+
+  std::string describe() const;
+};
+
+/// Draws a case. `max_positions` bounds N and S (the fuzzer keeps cases small).
+AttentionCase draw_case(Chooser& chooser, int64_t max_positions = 160);
+
+/// The case's leaf tensors and the views the backends see.
+struct CaseTensors {
+  torch::Tensor q_leaf, k_leaf, v_leaf, mask_leaf;  // what gradients are compared on
+  torch::Tensor q, k, v;                            // views in the case's layouts
+  qkv::ScaledDotProductAttentionOptions options;    // mask (a view of mask_leaf), key_lengths, causal, ...
+  torch::Tensor upstream;                           // the gradient fed to the output
+};
+
+/// Builds the case's tensors in `dtype` (the case's own unless given), from the case's seed, so that
+/// two calls give equal values: the reference (float64) and the tested dtype see the same numbers.
+CaseTensors make_tensors(const AttentionCase& c, c10::optional<torch::ScalarType> dtype = c10::nullopt);
+
+/// What one backend gave: output and the gradients of the leaves (undefined where none).
+struct CaseOutcome {
+  torch::Tensor output, grad_q, grad_k, grad_v, grad_mask;
+  qkv::AttentionBackend backend = qkv::AttentionBackend::Math;
+};
+
+/// Runs the case through `backend` (forward, then backward of sum(output * upstream)).
+CaseOutcome run_case(const AttentionCase& c, qkv::AttentionBackend backend,
+                     c10::optional<torch::ScalarType> dtype = c10::nullopt);
+
+/// Compares `actual` with the float64 math path's outcome `reference`; returns "" when they agree,
+/// else what differs and by how much. Tolerances: float64 1e-10, else tolerance_for the longest sum
+/// behind a result, at least 1e-5 (relative to each tensor's size; gradients to the largest gradient).
+std::string compare_outcomes(const AttentionCase& c, const CaseOutcome& actual, const CaseOutcome& reference);
+
+/// The backends a case is checked on in this build: Auto, Tiled, and Fused where LibTorch has it.
+std::vector<qkv::AttentionBackend> backends_to_check();
+
+/// Runs `c` through every backend of backends_to_check() and compares each with float64 Math.
+/// Returns "" when all agree or refuse with a c10::Error naming what they do not support (only an
+/// explicitly chosen backend may refuse; Auto must not), else every disagreement, with the case.
+std::string check_case(const AttentionCase& c);
+
+}  // namespace qkv_test

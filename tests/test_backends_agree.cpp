@@ -1,0 +1,164 @@
+// The differential test, in the manner of PyTorch's OpInfo tests: random cases over layouts ×
+// masks × dtypes × backends (tests/support/attention_cases.h), each backend's output and the
+// gradient of every input (the mask's included) against the math path in float64; the layouts and
+// masks a review found wrong, one by one; second-order gradients against finite differences; and
+// the fuzzer's saved inputs replayed (fuzz/fuzz_backends.cpp decodes bytes the same way).
+//
+// B = batch, H = query heads, Hkv = key/value heads, N = queries, S = keys, D = head width.
+#include "support/attention_cases.h"
+#include "support/fixtures.h"
+
+#include <gmock/gmock.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+
+namespace {
+
+using qkv::AttentionBackend;
+using qkv_test::AttentionCase;
+using qkv_test::Layout;
+using qkv_test::MaskKind;
+
+// 500 cases from fixed seeds; every failing case is printed whole with its draw seed.
+// QKV_AGREE_SEED=N reruns draw seed N alone (e.g. under a debugger).
+TEST(BackendsAgree, RandomCasesOverLayoutsMasksDtypesAndBackends) {
+  uint32_t first = 0, last = 500;
+  if (const char* only = std::getenv("QKV_AGREE_SEED")) first = static_cast<uint32_t>(std::stoul(only)), last = first + 1;
+  int failures = 0;
+  for (uint32_t seed = first; seed < last; ++seed) {
+    qkv_test::RandomChooser chooser(seed);
+    const auto c = qkv_test::draw_case(chooser);
+    const auto report = qkv_test::check_case(c);
+    if (!report.empty()) {
+      ++failures;
+      ADD_FAILURE() << "draw seed " << seed << ": " << report;
+    }
+  }
+  EXPECT_EQ(failures, 0);
+}
+
+// The cases the review reported, each alone: a key made with unfold (stride(-2) = 1 < D), a
+// tensor expanded along positions (stride 0), a (B, H, D, 1) tensor transposed to (B, H, 1, D).
+TEST(BackendsAgree, TheLayoutsTheReviewFoundWrong) {
+  AttentionCase c;
+  c.B = 2, c.H = 2, c.Hkv = 2, c.N = 40, c.S = 300, c.D = 16, c.Dv = 16, c.dtype = torch::kDouble, c.seed = 1;
+  for (const auto layout : {Layout::Unfolded, Layout::ExpandedPositions, Layout::SlicedWithStep,
+                            Layout::LastTransposed}) {
+    auto key = c;
+    key.k_layout = layout;
+    EXPECT_EQ(qkv_test::check_case(key), "");
+    auto value = c;
+    value.v_layout = layout;
+    EXPECT_EQ(qkv_test::check_case(value), "");
+  }
+  auto one_row = c;  // (B, H, D, 1) transposed: N = 1, stride(-2) = 1 < D
+  one_row.N = 1, one_row.q_layout = Layout::LastTransposed;
+  EXPECT_EQ(qkv_test::check_case(one_row), "");
+  auto odd = one_row;
+  odd.q_layout = Layout::OddUnitStrides;
+  EXPECT_EQ(qkv_test::check_case(odd), "");
+}
+
+// A learned bias: ALiBi's per-head slopes times the distance, trained through the mask. The
+// slopes' gradient must come back from every backend (it was undefined from the tiled one).
+TEST(BackendsAgree, ALearnedBiasGetsItsGradientFromEveryBackend) {
+  torch::manual_seed(11);
+  const int64_t B = 2, H = 4, N = 70, D = 16;
+  const auto q = torch::randn({B, H, N, D}, torch::kDouble), k = torch::randn({B, H, N, D}, torch::kDouble);
+  const auto v = torch::randn({B, H, N, D}, torch::kDouble), upstream = torch::randn({B, H, N, D}, torch::kDouble);
+  const auto positions = torch::arange(N, torch::kDouble);
+  const auto distance = -(positions.unsqueeze(1) - positions.unsqueeze(0)).abs();  // (N, S)
+  auto slopes_of = [&](AttentionBackend backend) {
+    auto slopes = torch::full({H, 1, 1}, 0.25, torch::kDouble).requires_grad_(true);
+    const auto bias = slopes * distance;  // (H, N, S), broadcast over B
+    auto options = qkv::ScaledDotProductAttentionOptions().mask(bias).causal(true).backend(backend);
+    (qkv::scaled_dot_product_attention(q, k, v, options).output * upstream).sum().backward();
+    return slopes.grad();
+  };
+  const auto expected = slopes_of(AttentionBackend::Math);
+  ASSERT_TRUE(expected.defined());
+  for (const auto backend : qkv_test::backends_to_check()) {
+    const auto actual = slopes_of(backend);
+    ASSERT_TRUE(actual.defined()) << backend << " returned no gradient for the bias";
+    EXPECT_TRUE(qkv_test::tensors_close(actual, expected, 1e-10)) << backend;
+  }
+}
+
+// Second-order gradients (create_graph): the gradient of <dL/dq, w> with respect to q, k, v and a
+// learned mask, against central differences of the first-order gradient, on every backend that
+// computes them; a backend that cannot must say so, not return gradients without history.
+TEST(BackendsAgree, SecondOrderGradientsMatchFiniteDifferences) {
+  torch::manual_seed(12);
+  const int64_t B = 1, H = 2, Hkv = 1, N = 5, S = 6, D = 3;
+  auto q = torch::randn({B, H, N, D}, torch::kDouble), k = torch::randn({B, Hkv, S, D}, torch::kDouble);
+  auto v = torch::randn({B, Hkv, S, D}, torch::kDouble), mask = torch::randn({N, S}, torch::kDouble);
+  const auto upstream = torch::randn({B, H, N, D}, torch::kDouble), direction = torch::randn({B, H, N, D}, torch::kDouble);
+  for (const auto backend : qkv_test::backends_to_check()) {
+    const auto options = qkv::ScaledDotProductAttentionOptions().causal(true).enable_gqa(true).scale(0.7);
+    // f(q, k, v, mask) = <dL/dq, direction>, L = <attention(q, k, v, mask), upstream>.
+    auto first_order = [&](const torch::Tensor& q_, const torch::Tensor& k_, const torch::Tensor& v_,
+                           const torch::Tensor& mask_, bool create_graph) {
+      auto o = options;
+      const auto out = qkv::scaled_dot_product_attention(q_, k_, v_, o.mask(mask_).backend(backend)).output;
+      const auto grad_q = torch::autograd::grad({(out * upstream).sum()}, {q_}, {}, /*retain_graph=*/true,
+                                                create_graph)[0];
+      return (grad_q * direction).sum();
+    };
+    auto qg = q.clone().requires_grad_(true), kg = k.clone().requires_grad_(true);
+    auto vg = v.clone().requires_grad_(true), mg = mask.clone().requires_grad_(true);
+    torch::Tensor f;
+    try {
+      f = first_order(qg, kg, vg, mg, /*create_graph=*/true);
+    } catch (const c10::Error& error) {
+      // Refusing is allowed for an explicitly chosen backend, with a message; Auto must compute.
+      ASSERT_NE(backend, AttentionBackend::Auto) << error.what_without_backtrace();
+      EXPECT_THAT(error.what_without_backtrace(), ::testing::HasSubstr("backend")) << backend;
+      continue;
+    }
+    ASSERT_TRUE(f.requires_grad()) << backend << ": the first-order gradient has no history";
+    const auto second = torch::autograd::grad({f}, {qg, kg, vg, mg});
+    constexpr double kStep = 1e-6;
+    std::vector<torch::Tensor*> inputs{&q, &k, &v, &mask};
+    const char* names[] = {"q", "k", "v", "mask"};
+    double scale = 0;
+    for (const auto& g : second) scale = std::max(scale, qkv_test::max_abs(g));
+    for (size_t which = 0; which < inputs.size(); ++which) {
+      auto numeric = torch::zeros_like(*inputs[which]);
+      auto flat = inputs[which]->view(-1);
+      for (int64_t i = 0; i < flat.numel(); ++i) {
+        const double original = flat[i].item<double>();
+        auto at = [&](double value) {
+          flat[i] = value;
+          auto qa = q.clone().requires_grad_(true);
+          return first_order(qa, k, v, mask, /*create_graph=*/false).item<double>();
+        };
+        const double plus = at(original + kStep), minus = at(original - kStep);
+        flat[i] = original;
+        numeric.view(-1)[i] = (plus - minus) / (2 * kStep);
+      }
+      EXPECT_TRUE(qkv_test::tensors_close(second[which], numeric, 1e-6, scale)) << backend << ": d2/d" << names[which];
+    }
+  }
+}
+
+// Every input the fuzzer keeps in fuzz/corpus/backends, decoded as fuzz_backends does.
+TEST(BackendsAgree, TheFuzzersSavedInputs) {
+  const std::filesystem::path corpus = std::filesystem::path(QKV_SOURCE_ROOT) / "fuzz" / "corpus" / "backends";
+  ASSERT_TRUE(std::filesystem::is_directory(corpus)) << corpus;
+  int replayed = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(corpus)) {
+    std::ifstream file(entry.path(), std::ios::binary);
+    const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+    qkv_test::ByteChooser chooser(bytes.data(), bytes.size());
+    const auto c = qkv_test::draw_case(chooser, /*max_positions=*/80);
+    EXPECT_EQ(qkv_test::check_case(c), "") << entry.path().filename();
+    ++replayed;
+  }
+  EXPECT_GT(replayed, 0);
+}
+
+}  // namespace
