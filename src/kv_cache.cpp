@@ -16,6 +16,15 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
   values_ = torch::zeros({batch, kv_heads, capacity, value_dim}, options.requires_grad(false));
 }
 
+KVCache KVCache::clone() const {
+  KVCache copy;
+  copy.keys_ = keys_.clone(), copy.values_ = values_.clone();
+  copy.length_ = length_;
+  copy.rope_base_ = rope_base_;
+  copy.rope_cos_ = rope_cos_, copy.rope_sin_ = rope_sin_;  // never written after make_cache: shared
+  return copy;
+}
+
 void KVCache::truncate(int64_t length) {
   TORCH_CHECK(length >= 0 && length <= length_, "KVCache::truncate: expected a length in [0, ", length_,
               "] (the positions held), got ", length);

@@ -63,6 +63,9 @@ torch::Tensor TransformerBlockImpl::forward_with_cache(const torch::Tensor& x, K
   TORCH_CHECK(x.defined() && x.dim() == 3 && x.size(-1) == options.d_model(),
               "TransformerBlock::forward_with_cache: expected x of shape (B, T, ", options.d_model(), "), got ",
               x.defined() ? x.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(!(is_training() && options.dropout() > 0.0),
+              "TransformerBlock::forward_with_cache: the block is in training mode with dropout ", options.dropout(),
+              "; cached decoding is inference, so call eval() first");
   auto h = x + residual_dropout(attn->forward_with_cache(ln_1(x), cache));  // (B, T, E)
   return h + residual_dropout(mlp(ln_2(h)));                                // (B, T, E)
 }

@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <sstream>
+#include <type_traits>
 
 namespace {
 
@@ -148,6 +149,36 @@ TEST(KVCache, CapacityIsFixedAndResetForgets) {
   EXPECT_TRUE(qkv_test::tensors_close(attention->forward_with_cache(x, cache), attention(x), 1e-5));
 }
 
+// A cache is move-only (a copy would share the storage but keep its own length, and two copies
+// would overwrite each other); clone() gives an independent one, which decodes its own sequence.
+TEST(KVCache, IsMoveOnlyAndCloneIsIndependent) {
+  static_assert(!std::is_copy_constructible_v<qkv::KVCache> && !std::is_copy_assignable_v<qkv::KVCache>,
+                "copying a KVCache would alias its storage");
+  static_assert(std::is_nothrow_move_constructible_v<qkv::KVCache>, "caches move into containers");
+  torch::manual_seed(13);
+  qkv::SelfAttention attention(qkv::SelfAttentionOptions(16).num_heads(4).num_kv_heads(2).rope(true).causal(true));
+  attention->to(torch::kDouble);
+  torch::NoGradGuard no_grad;
+  const auto prefix = torch::randn({1, 4, 16}, torch::kDouble);
+  const auto first = torch::randn({1, 3, 16}, torch::kDouble), second = torch::randn({1, 3, 16}, torch::kDouble);
+  auto cache = attention->make_cache(/*batch=*/1, /*capacity=*/8);
+  attention->forward_with_cache(prefix, cache);
+  auto branch = cache.clone();
+  EXPECT_NE(branch.keys().data_ptr(), cache.keys().data_ptr());
+  // Each continues its own sequence; neither disturbs the other's positions.
+  const auto out_first = attention->forward_with_cache(first, cache);
+  const auto out_second = attention->forward_with_cache(second, branch);
+  const auto full_first = attention(torch::cat({prefix, first}, 1)).narrow(1, 4, 3);
+  const auto full_second = attention(torch::cat({prefix, second}, 1)).narrow(1, 4, 3);
+  EXPECT_TRUE(qkv_test::tensors_close(out_first, full_first, 1e-10));
+  EXPECT_TRUE(qkv_test::tensors_close(out_second, full_second, 1e-10));
+  EXPECT_EQ(cache.length(), 7);
+  EXPECT_EQ(branch.length(), 7);
+  std::vector<qkv::KVCache> layers;
+  layers.push_back(std::move(branch));  // caches move into a model's vector of layers
+  EXPECT_EQ(layers.front().length(), 7);
+}
+
 // ---- Inside LibTorch's containers, with one argument ----
 
 TEST(Containers, SequentialAnyModuleAndModuleListCallTheModulesWithOneArgument) {
@@ -260,6 +291,31 @@ TEST(KVCache, MisuseIsAClearErrorThatChangesNothing) {
          other->forward_with_cache(torch::randn({2, 1, 16}), c);
        },
        {"has 2 heads of width 4", "this module 4 of width 4"}},
+      {"other_rope_base",
+       [](auto& m, auto& c) {
+         qkv::SelfAttention other(
+             qkv::SelfAttentionOptions(16).num_heads(4).num_kv_heads(2).rope(true).rope_base(500).causal(true));
+         other->forward_with_cache(torch::randn({2, 1, 16}), c);
+       },
+       {"keys rotated with rope_base 10000", "this module rotates with rope_base 500"}},
+      {"module_without_rope",
+       [](auto& m, auto& c) {
+         qkv::SelfAttention other(qkv::SelfAttentionOptions(16).num_heads(4).num_kv_heads(2).causal(true));
+         other->forward_with_cache(torch::randn({2, 1, 16}), c);
+       },
+       {"keys rotated with rope_base 10000", "none (rope is off)"}},
+      {"training_with_dropout",
+       [](auto& m, auto& c) {
+         m->options.dropout(0.1);
+         m->train();
+         try {
+           m->forward_with_cache(torch::randn({2, 1, 16}), c);
+         } catch (...) {
+           m->options.dropout(0.0);
+           throw;
+         }
+       },
+       {"training mode with dropout 0.1", "call eval() first"}},
   };
   for (const auto& c : cases) {
     torch::manual_seed(15);

@@ -1,6 +1,7 @@
 // qkv::KVCache: the keys and values of the positions a decoder has seen, for incremental decoding.
 #pragma once
 
+#include <c10/util/Optional.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -16,14 +17,27 @@ class SelfAttentionImpl;
 /// size it for the module, and filled by their forward_with_cache. One cache serves one module
 /// (one layer); a model of L layers keeps L caches.
 ///
-/// Cached decoding is for inference: call it under torch::NoGradGuard. A failed call (overflow,
-/// wrong batch size, dtype or device) throws c10::Error and leaves the cache as it was.
+/// Cached decoding is for inference: call it under torch::NoGradGuard, on a module in eval() mode
+/// (or without dropout). A failed call (overflow, wrong batch size, dtype or device, a cache made
+/// by a module of another shape or rotary base) throws c10::Error and leaves the cache as it was.
+///
+/// A cache owns its storage and is move-only: a copy would share the keys and values but keep its
+/// own length, and two copies would overwrite each other's positions. clone() makes an independent
+/// one (e.g. to branch a beam or a draft from a common prefix).
 class KVCache {
  public:
   /// An empty cache for `batch` sequences of up to `capacity` positions, with `kv_heads` heads of
   /// keys of width `head_dim` and values of width `value_dim`, of `options`' dtype and device.
   KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head_dim, int64_t value_dim,
           const torch::TensorOptions& options);
+
+  KVCache(KVCache&&) noexcept = default;
+  KVCache& operator=(KVCache&&) noexcept = default;
+  KVCache(const KVCache&) = delete;
+  KVCache& operator=(const KVCache&) = delete;
+
+  /// An independent cache with the same positions: its own copy of the storage.
+  KVCache clone() const;
 
   /// Positions held.
   int64_t length() const { return length_; }
@@ -59,9 +73,14 @@ class KVCache {
  private:
   friend class SelfAttentionImpl;  // stores and reads the rotary tables below
 
+  KVCache() = default;  // for clone()
+
   torch::Tensor keys_;    // (B, Hkv, capacity, D)
   torch::Tensor values_;  // (B, Hkv, capacity, Dv)
   int64_t length_ = 0;
+  // The rotary base of the module that made the cache (unset: a module without RoPE): keys
+  // rotated with one base are wrong for a module with another, so a mismatch is refused.
+  c10::optional<double> rope_base_;
   // A RoPE module's cos θ / sin θ for positions [0, capacity), (capacity, D/2) each, computed
   // once by make_cache instead of at every decoded position; undefined without RoPE.
   torch::Tensor rope_cos_, rope_sin_;
