@@ -17,3 +17,7 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/qkvConfigVersion.cmake
   COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/qkvConfig.cmake ${PROJECT_BINARY_DIR}/qkvConfigVersion.cmake
   DESTINATION ${QKV_CMAKE_DIR})
+
+# The build tree is a package too (as spdlog's): find_package(qkv) with qkv_DIR=<build folder>
+# finds the qkvConfig.cmake above and, beside it, the targets of this build.
+export(EXPORT qkvTargets NAMESPACE qkv:: FILE ${PROJECT_BINARY_DIR}/qkvTargets.cmake)

@@ -166,7 +166,9 @@ def main():
     header += ["goal", "qkv peak (above baseline)"]
     lines = [header]
     for r in rows:
-        line = [r["case"], r["shape"], f"{r['qkv_ms']:.4g}", f"{r['qkv_flops_per_s'] / 1e9:.3g}"]
+        # Cases whose arithmetic is not counted (decoding: FLOPs 0 in the raw results) print "—", not 0.
+        flops_cell = f"{r['qkv_flops_per_s'] / 1e9:.3g}" if r["qkv_flops_per_s"] > 0 else "—"
+        line = [r["case"], r["shape"], f"{r['qkv_ms']:.4g}", flops_cell]
         goals = []
         for side in side_versions:
             entry = r["pytorch"].get(side)

@@ -8,11 +8,16 @@
 #include <gmock/gmock.h>
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
+#include <vector>
 
 namespace {
 
@@ -31,30 +36,102 @@ std::string read(const fs::path& path) {
   return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
 }
 
+// The temporaries write_file_atomically left in `folder` (none, when it works).
+std::vector<std::string> temporaries_in(const fs::path& folder) {
+  std::vector<std::string> left;
+  for (const auto& entry : fs::directory_iterator(folder)) {
+    if (entry.path().filename().string().find(".tmp-") != std::string::npos) left.push_back(entry.path());
+  }
+  return left;
+}
+
 TEST(AtomicFile, ReplacesTheFileWhole) {
-  const auto path = temporary("replace");
+  const auto folder = temporary("replace");
+  fs::create_directories(folder);
+  const auto path = folder / "file";
   qkv::detail::write_file_atomically(path.string(), std::string("first"));
   qkv::detail::write_file_atomically(path.string(), std::string("second, longer"));
   EXPECT_EQ(read(path), "second, longer");
-  EXPECT_FALSE(fs::exists(path.string() + ".tmp"));
-  fs::remove(path);
+  EXPECT_TRUE(temporaries_in(folder).empty());
+  fs::remove_all(folder);
 }
 
 TEST(AtomicFile, AFailedWriteLeavesNoTemporaryAndThePreviousContent) {
   // The folder does not exist: nothing can be created.
   const auto missing = temporary("missing") / "file.pt";
   EXPECT_THAT([&] { qkv::detail::write_file_atomically(missing.string(), std::string("x")); },
-              ThrowsMessage<c10::Error>(HasSubstr("cannot create " + missing.string() + ".tmp")));
+              ThrowsMessage<c10::Error>(HasSubstr("cannot create " + missing.string() + ".tmp-")));
   // The rename cannot replace the target (a non-empty folder): the temporary is removed and the
   // target keeps what it had.
-  const auto target = temporary("target");
+  const auto parent = temporary("target");
+  const auto target = parent / "target";
   fs::create_directories(target);
   std::ofstream(target / "kept") << "kept";
   EXPECT_THAT([&] { qkv::detail::write_file_atomically(target.string(), std::string("new")); },
-              ThrowsMessage<c10::Error>(HasSubstr("cannot rename " + target.string() + ".tmp")));
-  EXPECT_FALSE(fs::exists(target.string() + ".tmp"));
+              ThrowsMessage<c10::Error>(HasSubstr("cannot rename " + target.string() + ".tmp-")));
+  EXPECT_TRUE(temporaries_in(parent).empty());
   EXPECT_EQ(read(target / "kept"), "kept");
-  fs::remove_all(target);
+  fs::remove_all(parent);
+}
+
+// A symlink planted where the temporary used to be (the fixed name PATH.tmp) is not followed:
+// the file it points to is untouched.
+TEST(AtomicFile, NeverWritesThroughASymlinkAtTheOldTemporaryName) {
+  const auto folder = temporary("symlink");
+  fs::create_directories(folder);
+  const auto victim = folder / "victim";
+  std::ofstream(victim) << "precious";
+  fs::create_symlink(victim, folder / "file.tmp");
+  qkv::detail::write_file_atomically((folder / "file").string(), std::string("new content"));
+  EXPECT_EQ(read(victim), "precious");
+  EXPECT_EQ(read(folder / "file"), "new content");
+  EXPECT_TRUE(fs::is_symlink(folder / "file.tmp"));
+  fs::remove_all(folder);
+}
+
+// A new file gets the umask's mode, not a forced 0644; a replaced file keeps its own.
+TEST(AtomicFile, ModeFollowsTheUmaskAndAReplacedFileKeepsItsOwn) {
+  const auto folder = temporary("mode");
+  fs::create_directories(folder);
+  const mode_t previous = ::umask(077);
+  qkv::detail::write_file_atomically((folder / "private").string(), std::string("x"));
+  ::umask(previous);
+  EXPECT_EQ(fs::status(folder / "private").permissions(), fs::perms::owner_read | fs::perms::owner_write);
+  const auto shared = folder / "shared";
+  std::ofstream(shared) << "old";
+  fs::permissions(shared, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  qkv::detail::write_file_atomically(shared.string(), std::string("new"));
+  EXPECT_EQ(fs::status(shared).permissions(), fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  fs::remove_all(folder);
+}
+
+// Writers of one path in parallel: each rename installs a whole file of one writer, and no writer
+// fails or finds its temporary replaced by another's (with one fixed PATH.tmp they clobbered each other).
+TEST(AtomicFile, ConcurrentWritersEachWriteAWholeFile) {
+  const auto folder = temporary("concurrent");
+  fs::create_directories(folder);
+  const auto path = (folder / "file").string();
+  std::vector<std::string> contents;
+  for (int writer = 0; writer < 8; ++writer) contents.push_back(std::string(200000 + writer, static_cast<char>('a' + writer)));
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int writer = 0; writer < 8; ++writer) {
+    threads.emplace_back([&, writer] {
+      for (int round = 0; round < 10; ++round) {
+        try {
+          qkv::detail::write_file_atomically(path, contents[writer]);
+        } catch (const c10::Error&) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(failures.load(), 0);
+  const auto final_content = read(path);
+  EXPECT_NE(std::find(contents.begin(), contents.end(), final_content), contents.end()) << "a mixed file";
+  EXPECT_TRUE(temporaries_in(folder).empty());
+  fs::remove_all(folder);
 }
 
 // The archive check with the archive right after an inaccessible page: a read before the buffer

@@ -1,5 +1,7 @@
 #include "common/plot.h"
 
+#include "atomic_file.h"
+
 #include <stb/stb_easy_font.h>
 #include <stb/stb_image_write.h>
 
@@ -77,10 +79,17 @@ class Canvas {
           pixel(x + sy, y_center + w / 2 - sx, c);
   }
 
+  // Encoded in memory, then written as every file of qkv is (atomic_file.h): a crash mid-write
+  // never leaves a truncated picture in place of the previous one.
   void save(const std::string& path) const {
-    if (!stbi_write_png(path.c_str(), width_, height_, 3, pixels_.data(), width_ * 3)) {
-      throw std::runtime_error("cannot write " + path);
+    std::string png;
+    auto append = [](void* context, void* data, int size) {
+      static_cast<std::string*>(context)->append(static_cast<const char*>(data), static_cast<size_t>(size));
+    };
+    if (!stbi_write_png_to_func(append, &png, width_, height_, 3, pixels_.data(), width_ * 3)) {
+      throw std::runtime_error("cannot encode the picture " + path);
     }
+    qkv::detail::write_file_atomically(path, png);
   }
 
  private:

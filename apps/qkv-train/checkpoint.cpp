@@ -24,6 +24,7 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
     archive.write("initial_loss", torch::tensor(state.initial_loss, torch::kDouble));
     archive.write("last_loss", torch::tensor(state.last_loss, torch::kDouble));
     archive.write("options", c10::IValue(state.options.dump()));
+    archive.write("task_state", c10::IValue(state.task_state.dump()));
     archive.write("cpu_rng_state", at::detail::getDefaultCPUGenerator().get_state());
     std::vector<char> bytes;
     archive.save_to([&](const void* data, size_t size) -> size_t {
@@ -66,6 +67,8 @@ CheckpointState read_state(torch::serialize::InputArchive& archive) {
   state.initial_loss = initial_loss.item<double>();
   state.last_loss = last_loss.item<double>();
   state.options = nlohmann::json::parse(options.toStringRef());
+  c10::IValue task_state;
+  if (archive.try_read("task_state", task_state)) state.task_state = nlohmann::json::parse(task_state.toStringRef());
   return state;
 }
 
@@ -78,6 +81,19 @@ CheckpointState read_checkpoint_state(const std::string& dir) {
   } catch (const std::exception& e) {
     throw std::runtime_error("--resume: " + (fs::path(dir) / kCheckpointFile).string() +
                              " is not a qkv-train checkpoint: " + e.what());
+  }
+}
+
+CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module& model) {
+  auto archive = open_archive(dir);
+  try {
+    torch::serialize::InputArchive model_archive;
+    archive.read("model", model_archive);
+    model.load(model_archive);
+    return read_state(archive);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("--resume: cannot load the model of " + (fs::path(dir) / kCheckpointFile).string() +
+                             ": " + e.what());
   }
 }
 

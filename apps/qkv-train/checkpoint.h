@@ -17,6 +17,9 @@ struct CheckpointState {
   double initial_loss = 0.0;
   double last_loss = 0.0;  // the loss of `step`, so a finished run resumed reports it
   nlohmann::json options;  // to_json() of the run's options
+  /// What the task needs to use the model without its training data (lm: the vocabulary); written
+  /// in the same archive as the weights, so the two always belong together. Empty for older checkpoints.
+  nlohmann::json task_state = nlohmann::json::object();
 };
 
 /// Writes DIR/checkpoint.pt atomically. Throws std::runtime_error naming the path on failure.
@@ -25,6 +28,9 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
 
 /// Reads only the options and step of DIR/checkpoint.pt (to check a resume before building the model).
 CheckpointState read_checkpoint_state(const std::string& dir);
+
+/// Loads only the model's weights of DIR/checkpoint.pt into `model` (generation from a checkpoint).
+CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module& model);
 
 /// Loads DIR/checkpoint.pt into `model` and `optimizer` and restores the CPU RNG state.
 CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer);

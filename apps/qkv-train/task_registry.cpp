@@ -94,6 +94,8 @@ std::vector<TaskSpec> make_registry() {
   lm.defaults.warmup_steps = 100;
   lm.defaults.dropout = 0.1;
   lm.defaults.all_cores = true;  // its matrix products gain 1.6x from the second core here
+  lm.defaults.causal = true;     // a decoder
+  lm.defaults.optimizer = "adamw";
   lm.flags = with_trained_flags({"--data", "--d-model", "--heads", "--kv-heads", "--layers", "--seq-len", "--dropout",
                                  "--weight-decay", "--warmup-steps", "--grad-clip", "--tie-weights", "--generate",
                                  "--prompt", "--max-new-tokens", "--temperature", "--top-k", "--no-kv-cache"});
@@ -156,6 +158,8 @@ void apply_task_defaults(RunConfig& config) {
   if (config.layers == 0) config.layers = d.layers;
   if (config.warmup_steps < 0) config.warmup_steps = d.warmup_steps;
   if (config.dropout < 0) config.dropout = d.dropout;
+  if (d.causal) config.causal = *d.causal;
+  if (!d.optimizer.empty()) config.optimizer = d.optimizer;
 }
 
 }  // namespace qkv_train

@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,10 @@ struct TaskDefaults {
   /// Use every core unless --threads says otherwise (LibTorch's own default here is one thread
   /// per physical core as it counts them, which on the development machine was 1 of 2).
   bool all_cores = false;
+  /// What a task that does not read --causal / --optimizer always uses, so that summary.json and
+  /// checkpoints record what ran (the language model: causal, AdamW). Unset: the option's value.
+  std::optional<bool> causal = std::nullopt;
+  std::string optimizer = "";
 };
 
 struct TaskSpec {

@@ -75,6 +75,9 @@ class TrainableTask {
   /// Pictures in `out` from the run's history and the final model (loss.png, attention.png, ...);
   /// returns the files' names.
   virtual std::vector<std::string> write_pictures(const std::filesystem::path& out, const MetricsHistory& history) = 0;
+  /// What the checkpoint keeps beside the weights for using the model without the training data
+  /// (lm: the vocabulary and the default prompt).
+  virtual nlohmann::json checkpoint_state() const { return nlohmann::json::object(); }
   /// Files beside model.pt that a later --generate or Python needs (e.g. the vocabulary); names.
   virtual std::vector<std::string> write_artifacts(const std::filesystem::path& out) { return {}; }
 };

@@ -175,14 +175,18 @@ class Trainer {
     }
   }
 
+  // The header and the rows a resumed run keeps are written as a new file, atomically (a crash
+  // now cannot lose the rows already recorded, as rewriting it in place could); the steps to come
+  // are appended to it.
   void open_metrics() {
     history_.columns = columns();
     if (out_.empty()) return;
-    metrics_.open(out_ / "metrics.csv", std::ios::trunc);
-    if (!metrics_) throw std::runtime_error("cannot write " + (out_ / "metrics.csv").string());
-    metrics_ << join_cells(history_.columns) << '\n';
-    for (const auto& row : history_.rows) metrics_ << join_cells(row) << '\n';
-    metrics_.flush();
+    const auto path = out_ / "metrics.csv";
+    std::string text = join_cells(history_.columns) + '\n';
+    for (const auto& row : history_.rows) text += join_cells(row) + '\n';
+    qkv::detail::write_file_atomically(path.string(), text);
+    metrics_.open(path, std::ios::app);
+    if (!metrics_) throw std::runtime_error("cannot write " + path.string());
   }
 
   std::unique_ptr<Progress> make_progress() const {
@@ -279,7 +283,8 @@ class Trainer {
   void save_checkpoint() {
     if (out_.empty()) return;
     qkv_train::save_checkpoint(out_.string(), task_->model(), *optimizer_,
-                               {step_, initial_loss_.value_or(0.0), last_loss_, to_json(config_)});
+                               {step_, initial_loss_.value_or(0.0), last_loss_, to_json(config_),
+                                task_->checkpoint_state()});
   }
 
   // The end of a run: rank 0 evaluates, writes the summary, the weights for Python and the

@@ -24,9 +24,11 @@ trace() {  # trace FILE COMMAND...: the command's fsync and rename calls, with p
 trace "$work/train.trace" "$train" --task reverse --device cpu --seq-len 6 --d-model 16 --batch 8 --steps 4 \
   --checkpoint-every 2 --quiet --out "$work/out"
 trace "$work/weights.trace" "$weights" convert "$work/out/model.pt" "$work/converted.pt"
+# A resumed run keeps the rows of metrics.csv so far: it must replace the file, not rewrite it in place.
+trace "$work/resume.trace" "$train" --resume "$work/out" --steps 6 --quiet
 
-# check TRACE FILE: every rename onto FILE is preceded by an fsync of FILE.tmp and followed by an
-# fsync of FILE's folder. Prints how many such replacements were seen.
+# check TRACE FILE: every rename onto FILE, from its temporary FILE.tmp-*, is preceded by an fsync
+# of that temporary and followed by an fsync of FILE's folder. Prints how many such replacements were seen.
 check() {
   awk -v target="$2" '
     function path_of(call,    p) { p = call; sub(/^[^<]*</, "", p); sub(/>.*$/, "", p); return p }
@@ -37,8 +39,9 @@ check() {
       last = p
       next
     }
-    /^rename/ && index($0, "\"" target "\"") && index($0, "\"" target ".tmp\"") {
-      if (last != target ".tmp") bad = bad "rename without an fsync of " target ".tmp before it (last fsync: " last "); "
+    /^rename/ && index($0, "\"" target "\"") && index($0, "\"" target ".tmp-") {
+      match($0, /"[^"]*"/); source = substr($0, RSTART + 1, RLENGTH - 2)   # the temporary renamed
+      if (last != source) bad = bad "rename without an fsync of " source " before it (last fsync: " last "); "
       folder = target; sub(/\/[^\/]*$/, "", folder); pending = folder
     }
     END {
@@ -52,6 +55,9 @@ for file in checkpoint.pt model.pt summary.json; do
   [[ $seen -ge 1 ]] || fail "$file was never replaced through a temporary file: $(cat "$work/train.trace")"
   echo "$file: $seen durable replacements"
 done
+seen=$(check "$work/resume.trace" "$work/out/metrics.csv") || fail "metrics.csv on resume: $seen"
+[[ $seen -ge 1 ]] || fail "a resumed run rewrote metrics.csv in place: $(cat "$work/resume.trace")"
+echo "metrics.csv on resume: $seen durable replacement"
 seen=$(check "$work/weights.trace" "$work/converted.pt") || fail "converted.pt: $seen"
 [[ $seen -ge 1 ]] || fail "qkv-weights convert did not write durably: $(cat "$work/weights.trace")"
 echo "qkv-weights convert: $seen durable replacement"

@@ -2,6 +2,8 @@
 #include "tasks/tasks.h"
 #include "tasks/toy_data.h"
 
+#include "atomic_file.h"
+
 #include <qkv/qkv.h>
 
 #include <spdlog/spdlog.h>
@@ -12,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 namespace qkv_train {
 namespace fs = std::filesystem;
@@ -165,7 +168,7 @@ nlohmann::json run_scaling_task(const RunConfig& config, const torch::Device& de
   if (!config.out_dir.empty()) {
     const fs::path out = config.out_dir;
     fs::create_directories(out);
-    std::ofstream csv(out / "scaling.csv");
+    std::ostringstream csv;
     csv << "d_k,samples,var_qk,var_qk_stderr,max_weight_scaled,max_weight_unscaled,entropy_scaled,entropy_unscaled,"
            "grad_scores_median_scaled,grad_scores_median_unscaled,grad_qk_median_scaled,grad_qk_median_unscaled,"
            "grad_qk_mean_scaled,grad_qk_mean_unscaled\n";
@@ -176,13 +179,14 @@ nlohmann::json run_scaling_task(const RunConfig& config, const torch::Device& de
           << ',' << f.grad_scores_median[1] << ',' << f.grad_qk_median[0] << ',' << f.grad_qk_median[1] << ','
           << f.grad_qk_mean[0] << ',' << f.grad_qk_mean[1] << '\n';
     }
-    std::ofstream training(out / "scaling_training.csv");
+    qkv::detail::write_file_atomically((out / "scaling.csv").string(), csv.str());
+    std::ostringstream training;
     training << "step,loss_scaled,loss_unscaled\n";
     training.precision(8);
     for (size_t i = 0; i < scaled_losses.size(); ++i) {
       training << i + 1 << ',' << scaled_losses[i] << ',' << unscaled_losses[i] << '\n';
     }
-    if (!csv || !training) throw std::runtime_error("cannot write the CSV files in " + out.string());
+    qkv::detail::write_file_atomically((out / "scaling_training.csv").string(), training.str());
 
     using qkv_plot::Series;
     const auto scaled_color = qkv_plot::series_color(0), unscaled_color = qkv_plot::series_color(1);

@@ -1,6 +1,7 @@
 // reverse and lookup as trained tasks: qkv::SelfAttention on ToyData, MSE loss, and what
 // attention learned (the weight on the right key, peakedness, softmax's Jacobian, pictures).
 #include "common/plot.h"
+#include "eval_mode.h"
 #include "tasks/tasks.h"
 #include "tasks/toy_data.h"
 
@@ -70,9 +71,10 @@ class ToyTask : public TrainableTask {
 
   std::vector<double> evaluate() override {
     torch::NoGradGuard no_grad;
-    model_->eval();
-    auto result = model_->forward_with_weights(evaluation_batch_.input);
-    model_->train();
+    const auto result = [&] {
+      const EvalModeGuard eval_mode(*model_);
+      return model_->forward_with_weights(evaluation_batch_.input);
+    }();
     auto weights = result.weights.to(torch::kFloat);  // (B, H, N, S)
     const double loss = data_->loss(result.output, evaluation_batch_).item<double>();
     const double answer = data_->answer_weight(weights, evaluation_batch_).item<double>();

@@ -1,5 +1,7 @@
 #include "tasks/lm/gpt.h"
 
+#include "eval_mode.h"
+
 #include <cmath>
 
 namespace qkv_train::lm {
@@ -83,8 +85,7 @@ std::vector<qkv::KVCache> GptImpl::make_caches(int64_t batch) const {
 std::vector<torch::Tensor> GptImpl::attention_weights(const torch::Tensor& ids) {
   check_ids(ids, "Gpt::attention_weights");
   torch::NoGradGuard no_grad;
-  const bool was_training = is_training();
-  eval();
+  const EvalModeGuard eval_mode(*this);
   std::vector<torch::Tensor> weights;
   auto x = token_embedding(ids);
   for (const auto& module : *blocks) {
@@ -92,7 +93,6 @@ std::vector<torch::Tensor> GptImpl::attention_weights(const torch::Tensor& ids) 
     weights.push_back(block->attn->forward_with_weights(block->ln_1(x)).weights);  // (B, H, N, N)
     x = block->forward(x);
   }
-  train(was_training);
   return weights;
 }
 
@@ -100,50 +100,6 @@ qkv::AttentionBackend GptImpl::backend_for(const torch::Tensor& ids) const {
   const auto stand_in = torch::empty({1}, token_embedding->weight.options().requires_grad(false))
                             .expand({ids.size(0), ids.size(1), options.d_model()});
   return blocks->ptr<qkv::TransformerBlockImpl>(0)->attn->backend_for(stand_in);
-}
-
-namespace {
-
-// The next token from the logits (V,) of the last position.
-int64_t pick(const torch::Tensor& logits, const Sampling& sampling, at::Generator& generator) {
-  if (sampling.temperature <= 0.0) return logits.argmax().item<int64_t>();
-  auto scaled = logits.to(torch::kDouble) / sampling.temperature;  // (V,)
-  if (sampling.top_k && *sampling.top_k < scaled.size(0)) {
-    const auto threshold = std::get<0>(scaled.topk(*sampling.top_k)).min();
-    scaled = scaled.masked_fill(scaled < threshold, -std::numeric_limits<double>::infinity());
-  }
-  const auto probabilities = torch::softmax(scaled, /*dim=*/0).to(torch::kCPU);
-  return at::multinomial(probabilities, /*num_samples=*/1, /*replacement=*/false, generator).item<int64_t>();
-}
-
-}  // namespace
-
-torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_tokens, const Sampling& sampling,
-                       at::Generator generator) {
-  TORCH_CHECK(prompt.dim() == 1 && prompt.numel() >= 1, "generate: expected a non-empty prompt of token ids");
-  TORCH_CHECK(prompt.numel() + new_tokens <= model->options.context(), "generate: a prompt of ", prompt.numel(),
-              " tokens and ", new_tokens, " new ones exceed the model's context of ", model->options.context());
-  // Inference mode, not only no-grad: a cached step is ~150 small operations, and skipping autograd's
-  // bookkeeping (version counters, views' metadata) is a measurable part of each one.
-  c10::InferenceMode inference;
-  const bool was_training = model->is_training();
-  model->eval();
-  const auto device = model->token_embedding->weight.device();
-  auto sequence = prompt.to(device, torch::kLong).unsqueeze(0);  // (1, P)
-  std::vector<int64_t> produced;
-  std::vector<qkv::KVCache> caches;
-  if (sampling.use_cache) caches = model->make_caches(/*batch=*/1);
-  torch::Tensor next_input = sequence;  // what the next forward pass takes: the prompt, then one token
-  for (int64_t i = 0; i < new_tokens; ++i) {
-    const auto logits = sampling.use_cache ? model->forward_with_cache(next_input, caches)  // (1, T, V)
-                                           : model->forward(sequence);                      // (1, P + i, V)
-    const int64_t token = pick(logits[0][-1], sampling, generator);
-    produced.push_back(token);
-    next_input = torch::full({1, 1}, token, torch::TensorOptions(torch::kLong).device(device));
-    sequence = torch::cat({sequence, next_input}, /*dim=*/1);
-  }
-  model->train(was_training);
-  return torch::tensor(produced, torch::kLong);
 }
 
 }  // namespace qkv_train::lm

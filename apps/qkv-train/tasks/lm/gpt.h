@@ -10,7 +10,6 @@
 #include <torch/torch.h>
 
 #include <cstdint>
-#include <optional>
 #include <vector>
 
 namespace qkv_train::lm {
@@ -59,17 +58,5 @@ class GptImpl : public torch::nn::Cloneable<GptImpl> {
 };
 
 TORCH_MODULE(Gpt);
-
-/// Sampling settings of generate().
-struct Sampling {
-  double temperature = 0.8;  // 0: greedy (the most likely token)
-  std::optional<int64_t> top_k;
-  bool use_cache = true;  // false: recompute the whole prefix for every new token
-};
-
-/// Continues `prompt` (P,) by `new_tokens` tokens; returns the new ids (new_tokens,). P + new_tokens
-/// must fit in the context. Random draws come from `generator` only.
-torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_tokens, const Sampling& sampling,
-                       at::Generator generator);
 
 }  // namespace qkv_train::lm

@@ -1,11 +1,13 @@
 // --task lm: a character-level GPT trained on a text with AdamW (warmup, cosine decay, clipping),
-// evaluated on the held-out last 10% against the character-bigram baseline, sampled with the KV
-// cache; and --generate, which samples from a trained model.
+// evaluated on the held-out last 10% against the character-bigram baseline, and sampled with the
+// KV cache at each evaluation (sampling and --generate: sample.cpp).
 //
 // B = batch, N = context, V = vocabulary, L = layers, H = heads.
 #include "common/plot.h"
 #include "run_config.h"
+#include "eval_mode.h"
 #include "tasks/lm/gpt.h"
+#include "tasks/lm/sample.h"
 #include "tasks/lm/text_data.h"
 #include "tasks/tasks.h"
 #include "tasks/toy_data.h"
@@ -19,9 +21,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
-#include <chrono>
 #include <cmath>
-#include <iostream>
 #include <set>
 #include <sstream>
 
@@ -39,19 +39,9 @@ std::string data_path(const RunConfig& config) {
   return config.data_path.empty() ? lm::kDefaultText : config.data_path;
 }
 
-Gpt make_model(const RunConfig& config, int64_t vocabulary, const torch::Device& device) {
-  torch::manual_seed(config.seed);
-  Gpt model(GptOptions(vocabulary, config.d_model, config.heads, config.layers, config.seq_len)
-                .kv_heads(config.kv_heads ? c10::optional<int64_t>(*config.kv_heads) : c10::nullopt)
-                .dropout(config.dropout)
-                .tie_weights(config.tie_weights));
-  model->to(device, config.dtype());
-  return model;
-}
-
-// The prompt's ids: --prompt, or a newline (the start of a paragraph) when none is given.
+// The prompt's ids: --prompt, or the text's default prompt (default_prompt in text_data.h).
 torch::Tensor prompt_ids(const RunConfig& config, const TextData& data) {
-  const auto text = lm::decode_utf8(config.prompt.empty() ? std::string("\n") : config.prompt, "--prompt");
+  const auto text = config.prompt.empty() ? lm::default_prompt(data.text) : lm::decode_utf8(config.prompt, "--prompt");
   return data.tokenizer.encode(text, "--prompt");
 }
 
@@ -73,7 +63,7 @@ class LanguageModelTask : public TrainableTask {
       : config_(config),
         device_(device),
         data_(TextData::load(data_path(config), config.seq_len)),
-        model_(make_model(config, data_.tokenizer.size(), device)) {
+        model_(lm::make_model(config, data_.tokenizer.size(), device)) {
     std::tie(validation_inputs_, validation_targets_) = data_.validation_windows(config.seq_len, kMaxValidationWindows);
     validation_inputs_ = validation_inputs_.to(device);
     validation_targets_ = validation_targets_.to(device);
@@ -145,7 +135,7 @@ class LanguageModelTask : public TrainableTask {
     double validation_loss = 0.0;
     {
       torch::NoGradGuard no_grad;
-      model_->eval();
+      const EvalModeGuard eval_mode(*model_);
       const int64_t chunk = std::max<int64_t>(1, config_.batch);
       double total = 0.0;
       for (int64_t begin = 0; begin < validation_inputs_.size(0); begin += chunk) {
@@ -155,7 +145,6 @@ class LanguageModelTask : public TrainableTask {
                  static_cast<double>(count);
       }
       validation_loss = total / static_cast<double>(validation_inputs_.size(0));
-      model_->train();
     }
     sample_ = sample(kSampleLength);
     words_known_ = known_word_fraction(sample_, training_words_);
@@ -174,7 +163,7 @@ class LanguageModelTask : public TrainableTask {
               {"tokenization", "character (Unicode code point)"}}},
             {"parameters", parameter_count_},
             {"sample",
-             {{"prompt", config_.prompt.empty() ? "\n" : config_.prompt},
+             {{"prompt", config_.prompt.empty() ? lm::encode_utf8(lm::default_prompt(data_.text)) : config_.prompt},
               {"text", sample_},
               {"known_word_fraction", words_known_}}}};
   }
@@ -185,12 +174,16 @@ class LanguageModelTask : public TrainableTask {
     return {"loss.png", "attention.png"};
   }
 
+  // What --generate needs besides the weights, kept in every checkpoint with them.
+  nlohmann::json checkpoint_state() const override {
+    return lm::model_metadata(data_.tokenizer, lm::default_prompt(data_.text));
+  }
+
   std::vector<std::string> write_artifacts(const std::filesystem::path& out) override {
-    // What a reader of model.pt needs besides the weights: the vocabulary and the model's shape.
-    const nlohmann::json meta = {{"vocabulary", lm::encode_utf8(data_.tokenizer.characters())},
-                                 {"data", data_.source},
-                                 {"model", model_options(config_)},
-                                 {"dropout", config_.dropout}};
+    // What a reader of model.pt needs besides the weights: the vocabulary and the model's shape
+    // (qkv-train --generate --init-weights model.pt reads them from here).
+    auto meta = lm::model_metadata(data_.tokenizer, lm::default_prompt(data_.text));
+    meta.update({{"data", data_.source}, {"model", model_options(config_)}, {"dropout", config_.dropout}});
     qkv::detail::write_file_atomically((out / "vocab.json").string(), meta.dump(2) + "\n");
     return {"vocab.json"};
   }
@@ -280,58 +273,6 @@ std::unique_ptr<TrainableTask> make_lm_task(const RunConfig& config, const torch
   } catch (const lm::DataError& e) {
     throw UsageError(e.what());
   }
-}
-
-nlohmann::json run_lm_generation(const RunConfig& config, const torch::Device& device) {
-  TextData data = [&] {
-    try {
-      return TextData::load(data_path(config), config.seq_len);
-    } catch (const lm::DataError& e) {
-      throw UsageError(e.what());
-    }
-  }();
-  torch::Tensor prompt;
-  try {
-    prompt = prompt_ids(config, data);
-  } catch (const lm::DataError& e) {
-    throw UsageError(e.what());
-  }
-  if (prompt.numel() + config.max_new_tokens > config.seq_len) {
-    throw UsageError(
-        "--max-new-tokens " + std::to_string(config.max_new_tokens) + " after a prompt of " +
-        std::to_string(prompt.numel()) + " characters needs " + std::to_string(prompt.numel() + config.max_new_tokens) +
-        " positions, more than the model's context and KV cache capacity, --seq-len " + std::to_string(config.seq_len));
-  }
-  auto model = make_model(config, data.tokenizer.size(), device);
-  const std::string weights = !config.resume_dir.empty() ? config.resume_dir + "/model.pt" : config.init_weights;
-  qkv::load_state_dict(*model, qkv::read_tensor_dict(weights), weights);
-
-  lm::Sampling sampling;
-  sampling.temperature = config.temperature;
-  sampling.top_k = config.top_k > 0 ? std::optional<int64_t>(config.top_k) : std::nullopt;
-  sampling.use_cache = !config.no_kv_cache;
-  const auto start = std::chrono::steady_clock::now();
-  const auto ids = lm::generate(model, prompt, config.max_new_tokens, sampling,
-                                at::make_generator<at::CPUGeneratorImpl>(config.seed));
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const auto prompt_text = config.prompt.empty() ? std::string("\n") : config.prompt;
-  const auto text = data.tokenizer.decode(ids);
-  spdlog::info("generated {} characters in {:.3f} s ({:.0f} tokens/s, {})", ids.numel(), seconds,
-               static_cast<double>(ids.numel()) / seconds, sampling.use_cache ? "KV cache" : "no cache");
-  if (!config.json) {
-    std::cout << prompt_text << text << std::endl;
-  }
-  return {{"task", "lm"},
-          {"mode", "generate"},
-          {"weights", weights},
-          {"prompt", prompt_text},
-          {"text", text},
-          {"new_tokens", ids.numel()},
-          {"seconds", seconds},
-          {"tokens_per_s", static_cast<double>(ids.numel()) / seconds},
-          {"kv_cache", sampling.use_cache},
-          {"temperature", config.temperature},
-          {"seed", config.seed}};
 }
 
 }  // namespace qkv_train

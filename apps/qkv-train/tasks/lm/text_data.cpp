@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -53,6 +54,10 @@ int64_t dictd_number(const std::string& digits) {
   for (char c : digits) {
     const auto at = alphabet.find(c);
     if (at == std::string::npos) throw DataError("malformed dictd index number " + digits);
+    // Checked before it happens: value · 64 + digit must stay within int64.
+    if (value > (std::numeric_limits<int64_t>::max() - static_cast<int64_t>(at)) / 64) {
+      throw DataError("dictd index number " + digits + " is too large (more than 2^63 - 1)");
+    }
     value = value * 64 + static_cast<int64_t>(at);
   }
   return value;
@@ -78,7 +83,8 @@ std::string dictd_entries(const std::string& dict_path) {
   }
   std::string text;
   for (const auto& [offset, length] : entries) {
-    if (offset < 0 || length < 0 || offset + length > static_cast<int64_t>(body.size())) {
+    const auto size = static_cast<int64_t>(body.size());
+    if (offset < 0 || length < 0 || offset > size || length > size - offset) {  // no offset + length: it may overflow
       throw DataError("--data " + dict_path + ": its index points outside the dictionary");
     }
     text.append(body, static_cast<size_t>(offset), static_cast<size_t>(length));
@@ -154,6 +160,11 @@ std::string read_text(const std::string& path) {
   if (text.empty()) throw DataError("--data " + path + ": the file is empty; expected a UTF-8 text to train on");
   decode_utf8(text, "--data " + path);  // throws for binary data
   return text;
+}
+
+std::u32string default_prompt(const std::u32string& text) {
+  if (text.empty() || text.find(U'\n') != std::u32string::npos) return U"\n";
+  return text.substr(0, 1);
 }
 
 CharTokenizer::CharTokenizer(const std::u32string& text) {

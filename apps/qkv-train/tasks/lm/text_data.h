@@ -31,6 +31,10 @@ std::string read_text(const std::string& path);
 std::u32string decode_utf8(const std::string& text, const std::string& what);
 std::string encode_utf8(const std::u32string& text);
 
+/// The prompt a sample starts from when none is given: a newline (the start of a paragraph) when
+/// the text has one, else the text's first character.
+std::u32string default_prompt(const std::u32string& text);
+
 /// Characters <-> token ids.
 class CharTokenizer {
  public:
