@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 
 namespace {
@@ -51,6 +52,22 @@ TEST(LanguageModelText, InvalidUtf8IsRefusedWithItsOffset) {
     EXPECT_THAT([&] { qkv_train::lm::decode_utf8(bytes, "input"); },
                 ::testing::ThrowsMessage<qkv_train::lm::DataError>(HasSubstr(why)));
   }
+}
+
+// A dictd index number of more digits than int64 holds is refused by name (it overflowed first,
+// then passed or failed the bounds check by chance).
+TEST(LanguageModelText, ADictdIndexNumberTooLargeForInt64IsRefused) {
+  const auto dir = fresh_dir("lm_dictd");
+  fs::create_directories(dir);
+  write(dir / "words.dict", "ABASEMENT, n. A decent and customary mental attitude.\n");
+  ASSERT_EQ(std::system(("gzip -f " + (dir / "words.dict").string()).c_str()), 0);
+  fs::rename(dir / "words.dict.gz", dir / "words.dict.dz");
+  write(dir / "words.index", "abasement\t//////////////\tB\n");  // 64^14 - 1 > 2^63 - 1
+  EXPECT_THAT([&] { qkv_train::lm::read_text((dir / "words.dict.dz").string()); },
+              ::testing::ThrowsMessage<qkv_train::lm::DataError>(HasSubstr("is too large")));
+  write(dir / "words.index", "abasement\tA\tB\n");  // a sane index: its one entry
+  EXPECT_EQ(qkv_train::lm::read_text((dir / "words.dict.dz").string()), "A");
+  fs::remove_all(dir);
 }
 
 TEST(LanguageModelText, TheDefaultTextIsTheDevilsDictionaryWithoutItsDatabaseHeaders) {
