@@ -10,15 +10,32 @@
 
 namespace qkv::kernels {
 
-AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+#if QKV_TORCH_HAS_SDPA
+namespace {
+
+// at::scaled_dot_product_attention's CPU kernels take only dense operands: found by qkv's
+// differential test on PyTorch 2.6, a query made with unfold (overlapping rows) gave outputs off by
+// 2.4 (relative) with a key-length mask, and bfloat16 keys made with unfold beside expanded values
+// threw oneDNN's "could not construct a memory descriptor using strides". Such operands are made
+// contiguous here, once; dense views (the module's head split, a transpose) pass as they are.
+torch::Tensor dense(const torch::Tensor& t) {
+  return t.is_non_overlapping_and_dense() && (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
+}
+
+}  // namespace
+#endif
+
+AttentionResult fused_attention(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                                 const ScaledDotProductAttentionOptions& options) {
 #if QKV_TORCH_HAS_SDPA
+  const auto q = dense(q_in), k = dense(k_in), v = dense(v_in);
   const int64_t num_queries = q.size(-2);
   const int64_t num_keys = k.size(-2);
   // Without a user mask, a square causal pattern goes to the kernels as is_causal, which lets
   // them skip the masked half. Everything else becomes one explicit mask.
-  const bool kernel_causal =
-      options.causal() && !options.mask().defined() && !options.key_lengths().defined() && num_queries == num_keys;
+  // A sliding window goes to the kernels as a band mask (they have no window of their own on the CPU).
+  const bool kernel_causal = options.causal() && !options.window() && !options.mask().defined() &&
+                             !options.key_lengths().defined() && num_queries == num_keys;
   c10::optional<torch::Tensor> mask;
   torch::Tensor dead_rows;
   if (!kernel_causal && (options.mask().defined() || options.key_lengths().defined() || options.causal())) {
@@ -55,6 +72,7 @@ AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, 
   result.backend = AttentionBackend::Fused;
   return result;
 #else
+  (void)q_in, (void)k_in, (void)v_in, (void)options;
   TORCH_CHECK(false, "scaled_dot_product_attention: the fused backend needs LibTorch >= 2.0, this build has ",
               TORCH_VERSION);
 #endif
