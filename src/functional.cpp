@@ -82,6 +82,13 @@ void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, cons
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(),
               "scaled_dot_product_attention: expected q, k and v on one device, got q on ", q.device(), ", k on ",
               k.device(), ", v on ", v.device());
+  if (options.window()) {
+    TORCH_CHECK(*options.window() >= 1, "scaled_dot_product_attention: expected a window of at least 1 key, got ",
+                *options.window());
+    TORCH_CHECK(options.causal(),
+                "scaled_dot_product_attention: a sliding window (query i attends to keys i - W + 1 ... i) needs "
+                "causal(true)");
+  }
   TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0,
               "scaled_dot_product_attention: expected dropout in [0, 1), got ", options.dropout());
   if (options.scale()) {

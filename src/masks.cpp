@@ -27,6 +27,14 @@ torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::De
   return key_positions <= query_positions;                                  // (N, S)
 }
 
+torch::Tensor sliding_window_mask(int64_t num_queries, int64_t num_keys, int64_t window, const torch::Device& device) {
+  TORCH_CHECK(window >= 1, "sliding_window_mask: expected window >= 1, got ", window);
+  auto options = torch::TensorOptions().dtype(torch::kLong).device(device);
+  auto query_positions = torch::arange(num_queries, options).unsqueeze(1);  // (N, 1)
+  auto key_positions = torch::arange(num_keys, options).unsqueeze(0);       // (1, S)
+  return (key_positions <= query_positions).logical_and(key_positions > query_positions - window);  // (N, S)
+}
+
 namespace detail {
 
 torch::Tensor restrict_mask(const torch::Tensor& mask, const torch::Tensor& allowed) {

@@ -12,6 +12,7 @@
 #include <torch/version.h>
 
 #include <cmath>
+#include <tuple>
 
 namespace qkv {
 
@@ -50,6 +51,12 @@ void SelfAttentionImpl::reset() {
     TORCH_CHECK(std::isfinite(options.rope_base()) && options.rope_base() > 1.0,
                 "SelfAttention: expected rope_base > 1, got ", options.rope_base());
   }
+  if (options.window()) {
+    TORCH_CHECK(*options.window() >= 1, "SelfAttention: expected a window of at least 1 position, got ",
+                *options.window());
+    TORCH_CHECK(options.causal(),
+                "SelfAttention: a sliding window (query i attends to keys i - W + 1 ... i) needs causal(true)");
+  }
   const auto kdim = options.kdim().value_or(d_model);
   const auto vdim = options.vdim().value_or(d_model);
   TORCH_CHECK(kdim > 0, "SelfAttention: expected kdim > 0, got ", kdim);
@@ -75,7 +82,9 @@ void SelfAttentionImpl::reset() {
 void SelfAttentionImpl::pretty_print(std::ostream& stream) const {
   stream << "qkv::SelfAttention(d_model=" << options.d_model() << ", num_heads=" << options.num_heads();
   if (options.num_kv_heads()) stream << ", num_kv_heads=" << *options.num_kv_heads();
-  stream << ", bias=" << std::boolalpha << options.bias() << ", causal=" << options.causal()
+  stream << ", bias=" << std::boolalpha << options.bias() << ", causal=" << options.causal();
+  if (options.window()) stream << ", window=" << *options.window();
+  stream
          << ", dropout=" << options.dropout() << ", scale=";
   if (options.scale()) {
     stream << *options.scale();
@@ -130,6 +139,7 @@ torch::Tensor join_heads(const torch::Tensor& x) {
 ScaledDotProductAttentionOptions SelfAttentionImpl::attention_options(bool need_weights) const {
   return ScaledDotProductAttentionOptions()
       .causal(options.causal())
+      .window(options.window())
       .scale(options.scale())
       .dropout(options.dropout())
       .training(is_training())
@@ -255,15 +265,38 @@ AttentionBackend SelfAttentionImpl::backend_for(const torch::Tensor& query, cons
 
 KVCache SelfAttentionImpl::make_cache(int64_t batch, int64_t capacity) const {
   const int64_t D = options.d_model() / options.num_heads();
-  KVCache cache(batch, kv_heads_of(options), capacity, D, D, W_q->weight.options());
+  // With a window of W < capacity, no position ever attends further back than W - 1: a rolling
+  // cache of W slots serves any length. (capacity <= W: a plain cache, whose positions are all
+  // within every window anyway.)
+  const bool rolls = options.window() && *options.window() < capacity;
+  KVCache cache = rolls ? KVCache::rolling(batch, kv_heads_of(options), *options.window(), D, D, W_q->weight.options())
+                        : KVCache(batch, kv_heads_of(options), capacity, D, D, W_q->weight.options());
   if (options.rope()) {
     cache.rope_base_ = options.rope_base();
-    auto table = detail::rope_table(/*offset=*/0, capacity, D, options.rope_base(), W_q->weight.scalar_type(),
-                                    W_q->weight.device());
-    cache.rope_cos_ = std::move(table.cos), cache.rope_sin_ = std::move(table.sin);
+    if (!rolls) {  // positions 0 .. capacity - 1, computed once (a rolling cache's positions have no bound)
+      auto table = detail::rope_table(/*offset=*/0, capacity, D, options.rope_base(), W_q->weight.scalar_type(),
+                                      W_q->weight.device());
+      cache.rope_cos_ = std::move(table.cos), cache.rope_sin_ = std::move(table.sin);
+    }
   }
   return cache;
 }
+
+namespace {
+
+// bool (T, S): new position first_query + t may attend to held position first_key + s when
+// first_key + s <= first_query + t and, with a window W, first_key + s > first_query + t - W.
+torch::Tensor positions_mask(int64_t first_query, int64_t queries, int64_t first_key, int64_t keys,
+                             const c10::optional<int64_t>& window, const torch::Device& device) {
+  const auto options = torch::TensorOptions(torch::kLong).device(device);
+  const auto query_positions = torch::arange(first_query, first_query + queries, options).unsqueeze(1);  // (T, 1)
+  const auto key_positions = torch::arange(first_key, first_key + keys, options).unsqueeze(0);          // (1, S)
+  auto allowed = key_positions <= query_positions;
+  if (window) allowed = allowed.logical_and(key_positions > query_positions - *window);
+  return allowed;  // (T, S)
+}
+
+}  // namespace
 
 torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCache& cache) {
   const int64_t E = options.d_model();
@@ -294,6 +327,11 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
               ", this module rotates ",
               module_rope ? "with rope_base " + std::to_string(*module_rope) : std::string("none (rope is off)"),
               "; make the cache with this module's make_cache");
+  TORCH_CHECK(cache.window_ == (cache.rolling() ? options.window() : cache.window_),
+              "SelfAttention::forward_with_cache: the KVCache rolls over a window of ", cache.window_.value_or(0),
+              " positions, this module's window is ",
+              options.window() ? std::to_string(*options.window()) : std::string("unset (full attention)"),
+              "; make the cache with this module's make_cache");
   TORCH_CHECK(!(is_training() && options.dropout() > 0.0),
               "SelfAttention::forward_with_cache: the module is in training mode with dropout ", options.dropout(),
               "; cached decoding is inference, so call eval() first (a cache filled with dropped-out "
@@ -307,21 +345,42 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
   auto k = split_heads(W_k(x), Hkv);  // (B, Hkv, T, D)
   auto v = split_heads(W_v(x), Hkv);  // (B, Hkv, T, D)
   if (options.rope()) {
-    // The new positions are L .. L+T-1: their rows of the cache's tables.
-    const detail::RopeTable table{cache.rope_cos_.narrow(0, L, T), cache.rope_sin_.narrow(0, L, T)};
+    // The new positions are L .. L+T-1: their rows of the cache's tables (a rolling cache's on the spot).
+    const auto table = cache.rope_cos_.defined()
+                           ? detail::RopeTable{cache.rope_cos_.narrow(0, L, T), cache.rope_sin_.narrow(0, L, T)}
+                           : detail::rope_table(L, T, D, options.rope_base(), q.scalar_type(), q.device());
     q = detail::apply_rope(q, table);
     k = detail::apply_rope(k, table);
   }
-  const auto [keys, values] = cache.append(k, v);  // (B, Hkv, L+T, D)
-
-  // New position L+t attends to keys 0 .. L+t: every cached key, and the new ones up to itself
-  // (the causal mask aligned to the bottom right). One new position needs no mask at all.
-  auto attention = attention_options(/*need_weights=*/false).causal(false);
-  if (T > 1 && L == 0) {
-    attention.causal(true);  // a prompt into an empty cache: plain causal, which kernels can skip blocks of
-  } else if (T > 1) {
-    const auto positions = torch::arange(L + T, torch::TensorOptions(torch::kLong).device(x.device()));
-    attention.mask(positions.unsqueeze(0) <= positions.narrow(0, L, T).unsqueeze(1));  // (T, L+T)
+  // The masks below say which keys each new position attends to; the core gets no causal flag or
+  // window of its own, except for a prompt into an empty cache.
+  auto attention = attention_options(/*need_weights=*/false).causal(false).window(c10::nullopt);
+  torch::Tensor keys, values;  // (B, Hkv, S, D): what the new positions attend to
+  if (cache.rolling() && T == 1) {
+    // One new position L into the ring: it takes the slot of position L - W, the one key that has
+    // left its window, so every held key is attended to, in slot order (attention does not care),
+    // without a mask or a copy.
+    cache.write(k, v);
+    keys = cache.keys_.narrow(2, 0, cache.held()), values = cache.values_.narrow(2, 0, cache.held());
+  } else if (cache.rolling()) {
+    // Several new positions: the held keys still inside the first one's window (at most W - 1) and
+    // the new ones, oldest first, with the band by position; then the ring keeps the newest W.
+    const int64_t recent = std::min(cache.held(), *options.window() - 1);
+    keys = torch::cat({cache.chronological(cache.keys_, L - recent), k}, /*dim=*/2);
+    values = torch::cat({cache.chronological(cache.values_, L - recent), v}, /*dim=*/2);
+    attention.mask(positions_mask(L, T, L - recent, recent + T, options.window(), x.device()));  // (T, recent+T)
+    cache.write(k, v);
+  } else {
+    std::tie(keys, values) = cache.append(k, v);  // (B, Hkv, L+T, D)
+    // New position L+t attends to keys 0 .. L+t (and within its window): every cached key, and the
+    // new ones up to itself (the causal mask aligned to the bottom right). One new position needs
+    // no mask, unless the cache holds more than the module's window (one made by hand).
+    const bool beyond_window = options.window() && L + T > *options.window();
+    if (T > 1 && L == 0) {
+      attention.causal(true).window(options.window());  // a prompt: plain causal, which kernels can skip blocks of
+    } else if (T > 1 || beyond_window) {
+      attention.mask(positions_mask(L, T, 0, L + T, options.window(), x.device()));  // (T, L+T)
+    }
   }
   auto output = join_heads(scaled_dot_product_attention(q, keys, values, attention).output);  // (B, T, E)
   return W_o ? W_o(output) : output;

@@ -3,6 +3,8 @@
 // B = batch, N = positions, T = new positions (cached decoding), E = d_model.
 #include <qkv/transformer_block.h>
 
+#include <qkv/checkpoint.h>
+
 #include <torch/torch.h>
 
 namespace qkv {
@@ -25,6 +27,7 @@ void TransformerBlockImpl::reset() {
                                                    .rope(options.rope())
                                                    .rope_base(options.rope_base())
                                                    .causal(options.causal())
+                                                   .window(options.window())
                                                    .dropout(options.dropout())
                                                    .bias(options.bias())
                                                    .out_proj(true)
@@ -38,7 +41,10 @@ void TransformerBlockImpl::reset() {
 void TransformerBlockImpl::pretty_print(std::ostream& stream) const {
   stream << "qkv::TransformerBlock(d_model=" << options.d_model() << ", num_heads=" << options.num_heads();
   if (options.num_kv_heads()) stream << ", num_kv_heads=" << *options.num_kv_heads();
-  stream << std::boolalpha << ", rope=" << options.rope() << ", causal=" << options.causal()
+  stream << std::boolalpha << ", rope=" << options.rope() << ", causal=" << options.causal();
+  if (options.window()) stream << ", window=" << *options.window();
+  if (options.checkpoint()) stream << ", checkpoint=true";
+  stream
          << ", dropout=" << options.dropout() << ", mlp_ratio=" << options.mlp_ratio() << ", bias=" << options.bias()
          << ")";
 }
@@ -51,6 +57,23 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const Attent
   TORCH_CHECK(x.defined() && (x.dim() == 2 || x.dim() == 3) && x.size(-1) == options.d_model(),
               "TransformerBlock: expected x of shape (B, N, ", options.d_model(), ") or (N, ", options.d_model(),
               "), got ", x.defined() ? x.sizes() : c10::IntArrayRef{});
+  if (!options.checkpoint()) return plain_forward(x, mask);
+  // Checkpointed: x and a floating attn_mask (a learned bias) are the inputs whose gradients
+  // flow; the other mask parts ride along in the function. The function holds the block (a
+  // shared pointer where it is owned by one, as TORCH_MODULE's holder does) until the backward.
+  std::vector<torch::Tensor> inputs{x};
+  if (mask.attn_mask.defined() && mask.attn_mask.is_floating_point()) inputs.push_back(mask.attn_mask);
+  auto owner = std::dynamic_pointer_cast<TransformerBlockImpl>(weak_from_this().lock());
+  auto* block = this;
+  auto function = [owner, block, mask](const std::vector<torch::Tensor>& in) {
+    auto replayed = mask;
+    if (in.size() > 1) replayed.attn_mask = in[1];
+    return (owner ? owner.get() : block)->plain_forward(in[0], replayed);
+  };
+  return checkpoint(function, inputs, parameters());
+}
+
+torch::Tensor TransformerBlockImpl::plain_forward(const torch::Tensor& x, const AttentionMask& mask) {
   auto h = x + residual_dropout(attn(ln_1(x), /*context=*/torch::Tensor(), mask));  // (B, N, E)
   return h + residual_dropout(mlp(ln_2(h)));                                        // (B, N, E)
 }

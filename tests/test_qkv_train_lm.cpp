@@ -169,6 +169,34 @@ TEST(LanguageModel, GenerationPastTheContextSlidesAndTheCacheStillAgrees) {
   fs::remove_all(out);
 }
 
+// A model trained with --window generates past its context with rolling caches (constant
+// memory), and that equals recomputing the whole sequence for every token.
+TEST(LanguageModel, AWindowedModelGeneratesPastItsContextWithRollingCaches) {
+  const auto out = fresh_dir("lm_window");
+  ASSERT_EQ(train(kSmallLm + "--window 8 --steps 10 --out " + out.string()).exit_code, 0);
+  const std::string generate = "--generate --resume " + out.string() + " --max-new-tokens 80 --temperature 0 --json ";
+  auto cached = train(generate), recomputed = train(generate + "--no-kv-cache");
+  ASSERT_EQ(cached.exit_code, 0) << cached.output;
+  ASSERT_EQ(recomputed.exit_code, 0) << recomputed.output;
+  EXPECT_EQ(nlohmann::json::parse(cached.output)["text"], nlohmann::json::parse(recomputed.output)["text"]);
+  EXPECT_EQ(nlohmann::json::parse(cached.output)["new_tokens"], 80);
+  fs::remove_all(out);
+}
+
+// --checkpoint-activations trains exactly as without (float64, dropout on: the recomputation
+// replays the dropout masks), step for step.
+TEST(LanguageModel, CheckpointedActivationsTrainExactlyAsThePlainModel) {
+  const auto plain = fresh_dir("lm_plain"), checkpointed = fresh_dir("lm_checkpointed");
+  const std::string args = kSmallLm + "--dtype float64 --dropout 0.1 --steps 5 --log-every 1 --eval-every 5 ";
+  ASSERT_EQ(train(args + "--out " + plain.string()).exit_code, 0);
+  ASSERT_EQ(train(args + "--checkpoint-activations --out " + checkpointed.string()).exit_code, 0);
+  const auto expected = losses_by_step(plain / "metrics.csv"), actual = losses_by_step(checkpointed / "metrics.csv");
+  ASSERT_EQ(actual.size(), 5u);
+  EXPECT_EQ(actual, expected);
+  EXPECT_EQ(max_weight_difference(plain / "model.pt", checkpointed / "model.pt"), 0.0);
+  fs::remove_all(plain), fs::remove_all(checkpointed);
+}
+
 // --generate --resume DIR needs DIR only: the text it was trained on may be gone, and a model.pt
 // left there by another run is not paired with the checkpoint's options (the checkpoint's own
 // weights, options and vocabulary are used).

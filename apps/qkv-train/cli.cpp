@@ -84,6 +84,7 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   std::string log_level = "info";
   double scale = 0.0;
   int64_t kv_heads = 0;
+  int64_t window = 0;  // 0: unset (full attention)
   std::vector<std::string> task_names;
   for (const auto& task : task_registry()) task_names.push_back(task.name);
 
@@ -165,6 +166,13 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   app.add_option("--grad-clip", config.grad_clip, "lm: largest global gradient norm (0 = no clipping)")
       ->check(CLI::Range(0.0, 1e9));
   app.add_flag("--tie-weights", config.tie_weights, "lm: the output layer shares the token embedding's weights");
+  app.add_option("--window", window,
+                 "lm: sliding-window attention: each position attends to the last W positions only (cost N·W; "
+                 "generation then uses a rolling KV cache of W positions and never stops)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  app.add_flag("--checkpoint-activations", config.checkpoint_activations,
+               "lm: each block keeps only its input for the backward and recomputes its forward there (less memory, "
+               "about a third more time)");
   app.add_flag("--generate", config.generate,
                "lm: print text sampled from a trained model (--resume DIR or --init-weights FILE) instead of training");
   app.add_option("--prompt", config.prompt,
@@ -200,6 +208,7 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   if (const auto exit_code = qkv_cli::parse(app, argc, argv)) return *exit_code;
   if (scale > 0.0) config.scale = scale;
   if (kv_heads > 0) config.kv_heads = kv_heads;
+  if (window > 0) config.window = window;
 
   spdlog::set_level(spdlog::level::from_str(log_level));
   spdlog::cfg::load_env_levels();

@@ -52,6 +52,7 @@ const std::vector<OptionField>& fields() {
       field("optimizer", "--optimizer", Role::Model, &RunConfig::optimizer),
       field("scale", "--scale", Role::Model, &RunConfig::scale),
       field("tie_weights", "--tie-weights", Role::Model, &RunConfig::tie_weights),
+      field("window", "--window", Role::Model, &RunConfig::window),
       field("data", "--data", Role::Model, &RunConfig::data_path),
       field("batch", "--batch", Role::RunWarn, &RunConfig::batch),
       field("lr", "--lr", Role::RunWarn, &RunConfig::lr),
@@ -64,6 +65,7 @@ const std::vector<OptionField>& fields() {
       field("log_every", "--log-every", Role::Run, &RunConfig::log_every),
       field("eval_every", "--eval-every", Role::Run, &RunConfig::eval_every),
       field("checkpoint_every", "--checkpoint-every", Role::Run, &RunConfig::checkpoint_every),
+      field("checkpoint_activations", "--checkpoint-activations", Role::Run, &RunConfig::checkpoint_activations),
   };
   return table;
 }

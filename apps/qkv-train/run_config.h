@@ -56,6 +56,8 @@ struct RunConfig {
   int64_t warmup_steps = -1;  // < 0: the task's default
   double grad_clip = 1.0;     // max global gradient norm; 0 = no clipping
   bool tie_weights = false;   // LM head shares the token embedding
+  std::optional<int64_t> window;        // sliding-window attention of this many positions; unset = full
+  bool checkpoint_activations = false;  // blocks recompute their forward in the backward (less memory)
   bool generate = false;      // sample text from --resume / --init-weights instead of training
   std::string prompt;
   int64_t max_new_tokens = 200;

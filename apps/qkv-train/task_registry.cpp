@@ -97,7 +97,8 @@ std::vector<TaskSpec> make_registry() {
   lm.defaults.causal = true;     // a decoder
   lm.defaults.optimizer = "adamw";
   lm.flags = with_trained_flags({"--data", "--d-model", "--heads", "--kv-heads", "--layers", "--seq-len", "--dropout",
-                                 "--weight-decay", "--warmup-steps", "--grad-clip", "--tie-weights", "--generate",
+                                 "--weight-decay", "--warmup-steps", "--grad-clip", "--tie-weights", "--window",
+                                 "--checkpoint-activations", "--generate",
                                  "--prompt", "--max-new-tokens", "--temperature", "--top-k", "--no-kv-cache"});
   lm.check = [](const RunConfig& c) -> std::string {
     if (const auto problem = divisible_heads(c); !problem.empty()) return problem;

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -67,6 +68,14 @@ std::string join_cells(const std::vector<std::string>& cells) {
   std::string line;
   for (size_t i = 0; i < cells.size(); ++i) line += (i ? "," : "") + cells[i];
   return line;
+}
+
+// The process's peak resident set so far (getrusage: kilobytes on Linux), in MiB: what a run
+// needed of the machine's memory, e.g. with and without --checkpoint-activations.
+double peak_resident_megabytes() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;
 }
 
 double global_grad_norm(const std::vector<torch::Tensor>& parameters) {
@@ -320,6 +329,7 @@ class Trainer {
         {"wall_time_s", wall_time},
         {"steps_per_s", steps_per_s},
         {"tokens_per_s", tokens_per_s},
+        {"peak_rss_mb", peak_resident_megabytes()},
     };
     summary.update(task_->summary_extras());
     if (exit_code != 0) summary["stopped_by_signal"] = exit_code - 128;

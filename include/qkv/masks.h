@@ -49,4 +49,9 @@ torch::Tensor key_mask_from_lengths(const torch::Tensor& lengths, int64_t max_le
 /// bool (N, S), true where key j <= query i (top-left aligned, as PyTorch's is_causal).
 torch::Tensor causal_mask(int64_t num_queries, int64_t num_keys, const torch::Device& device = torch::kCPU);
 
+/// bool (N, S), true where i - window < j <= i: causal attention within a sliding window of
+/// `window` keys (the band SelfAttentionOptions::window attends to), top-left aligned.
+torch::Tensor sliding_window_mask(int64_t num_queries, int64_t num_keys, int64_t window,
+                                  const torch::Device& device = torch::kCPU);
+
 }  // namespace qkv

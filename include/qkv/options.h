@@ -42,6 +42,9 @@ struct ScaledDotProductAttentionOptions {
   TORCH_ARG(torch::Tensor, mask) = {};
   /// Query i attends only to keys j <= i (top-left aligned when N != S, as PyTorch).
   TORCH_ARG(bool, causal) = false;
+  /// Sliding-window attention (Mistral; FlashAttention's window_size = (W - 1, 0)): with `causal`,
+  /// query i attends only to keys i - W + 1 ... i. Unset: full (causal) attention. Needs causal.
+  TORCH_ARG(c10::optional<int64_t>, window) = c10::nullopt;
   /// int64 (B,) for inputs (B, H, N, D): keys at positions >= key_lengths[b] are padding (as a
   /// mask false there). Backends that know it skip those keys instead of masking them.
   TORCH_ARG(torch::Tensor, key_lengths) = {};
@@ -75,6 +78,10 @@ struct SelfAttentionOptions {
   TORCH_ARG(bool, bias) = true;
   /// Causal mask: query i attends only to keys j <= i.
   TORCH_ARG(bool, causal) = false;
+  /// Sliding window W (needs causal): query i attends only to keys i - W + 1 ... i, so the cost
+  /// grows as N · W instead of N², and a KV cache needs only the last W positions (it then rolls:
+  /// make_cache). Unset: full causal attention.
+  TORCH_ARG(c10::optional<int64_t>, window) = c10::nullopt;
   /// Dropout probability on the attention weights while training; in [0, 1).
   TORCH_ARG(double, dropout) = 0.0;
   /// Multiplier of QKᵀ. Unset: 1/sqrt(D). 1.0 gives the unscaled variant the documents warn about.

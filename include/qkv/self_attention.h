@@ -57,15 +57,17 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
                                const AttentionMask& mask = {}) const;
 
   /// An empty KVCache for `batch` sequences of up to `capacity` positions, sized for this module
-  /// (its key/value heads and head width) in its parameters' dtype and on their device.
+  /// (its key/value heads and head width) in its parameters' dtype and on their device. With a
+  /// sliding window W < capacity it is a rolling cache of W slots instead, which decodes any
+  /// number of positions in constant memory.
   KVCache make_cache(int64_t batch, int64_t capacity) const;
 
   /// Incremental causal self-attention: `x` (B, T, E) holds T new positions of each sequence,
   /// which follow the cache's length() positions. Their keys and values (rotated at their
   /// positions with RoPE) are appended to `cache`, and each new position attends to every cached
   /// position up to and including itself. Returns (B, T, E): the same as rows length()..length()+T-1
-  /// of one causal forward over the whole sequence. A prompt goes in as one call, then one token
-  /// at a time (or chunks). Inference only (under torch::NoGradGuard); needs a causal module
+  /// of one causal (windowed) forward over the whole sequence. A prompt goes in as one call, then
+  /// one token at a time (or chunks). Inference only (under torch::NoGradGuard); needs a causal module
   /// without a cross-attention context (kdim, vdim unset).
   torch::Tensor forward_with_cache(const torch::Tensor& x, KVCache& cache);
 

@@ -36,6 +36,13 @@ struct TransformerBlockOptions {
   TORCH_ARG(double, rope_base) = 10000.0;
   /// Causal self-attention (a decoder block). Needed by forward_with_cache.
   TORCH_ARG(bool, causal) = false;
+  /// Sliding-window attention of W positions (needs causal; see SelfAttentionOptions::window).
+  TORCH_ARG(c10::optional<int64_t>, window) = c10::nullopt;
+  /// Activation checkpointing: while training, the block keeps only its input (and its mask) for
+  /// the backward and recomputes its forward there (qkv::checkpoint), replaying the forward's
+  /// random draws: the same gradients for about one more forward's time, and the memory of its
+  /// intermediate tensors (attention, MLP) freed right after the forward.
+  TORCH_ARG(bool, checkpoint) = false;
   /// Dropout probability while training, on the attention weights and on each residual branch
   /// (after the attention's output map and after the MLP), as GPT-2 and nanoGPT.
   TORCH_ARG(double, dropout) = 0.0;
@@ -89,6 +96,8 @@ class TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
 
  private:
   torch::Tensor mlp(const torch::Tensor& x);
+  /// The block's computation, which checkpointing runs once more in the backward.
+  torch::Tensor plain_forward(const torch::Tensor& x, const AttentionMask& mask);
 };
 
 TORCH_MODULE(TransformerBlock);

@@ -34,11 +34,16 @@ PreparedMask prepare_mask(const ScaledDotProductAttentionOptions& options, const
     user_mask = detail::restrict_mask(user_mask, keys);
   }
   torch::Tensor mask = user_mask;
-  if (causal) mask = detail::restrict_mask(mask, causal_mask(num_queries, num_keys, q.device()));  // (N, S)
+  if (options.window()) {
+    mask = detail::restrict_mask(mask, sliding_window_mask(num_queries, num_keys, *options.window(), q.device()));
+  } else if (causal) {
+    mask = detail::restrict_mask(mask, causal_mask(num_queries, num_keys, q.device()));  // (N, S)
+  }
   prepared.mask = mask;
-  // Causal masks alone never empty a row (query i always sees key 0); other masks can. With S = 0
-  // every row is empty, but then the products are empty sums and already give zero.
-  if (user_mask.defined() && num_keys > 0) {
+  // Causal masks alone never empty a row (query i always sees key 0); other masks can, and so can
+  // a window when N > S (query i >= S - 1 + W sees no key). With S = 0 every row is empty, but then
+  // the products are empty sums and already give zero.
+  if ((user_mask.defined() || options.window()) && num_keys > 0) {
     prepared.dead_rows = mask.scalar_type() == torch::kBool ? mask.logical_not().all(/*dim=*/-1, /*keepdim=*/true)
                                                             : (mask == kNegInf).all(/*dim=*/-1, /*keepdim=*/true);
   }

@@ -59,7 +59,8 @@ const char* to_string(MaskKind kind) {
 std::string AttentionCase::describe() const {
   std::ostringstream text;
   text << "case{B=" << B << " H=" << H << " Hkv=" << Hkv << " N=" << N << " S=" << S << " D=" << D << " Dv=" << Dv
-       << (causal ? " causal" : "") << (unbatched ? " unbatched" : "") << " mask=" << to_string(mask);
+       << (causal ? " causal" : "") << (window ? " window=" + std::to_string(*window) : "")
+       << (unbatched ? " unbatched" : "") << " mask=" << to_string(mask);
   if (!mask_shape.empty()) text << c10::IntArrayRef(mask_shape) << " mask-layout=" << to_string(mask_layout);
   text << " q=" << to_string(q_layout) << " k=" << to_string(k_layout) << " v=" << to_string(v_layout)
        << " dtype=" << dtype;
@@ -125,6 +126,8 @@ AttentionCase draw_case(Chooser& chooser, int64_t max_positions) {
   c.D = chooser.one_of<int64_t>({1, 3, 8, 16, 33, 64});
   c.Dv = chooser.chance(4) ? chooser.one_of<int64_t>({1, 5, 16}) : c.D;
   c.causal = chooser.chance(3);
+  // A sliding window in half the causal cases: 1 and 2 keys, odd ones, and one wider than S.
+  if (c.causal && chooser.chance(2)) c.window = chooser.one_of<int64_t>({1, 2, 5, 17, 64, c.S + c.N});
   const MaskKind kinds[] = {MaskKind::None,          MaskKind::KeyLengths, MaskKind::BoolKeys,
                             MaskKind::BoolPairs,     MaskKind::BoolBroadcast, MaskKind::FloatInf,
                             MaskKind::FloatGrad,     MaskKind::FloatGradInf};
@@ -232,8 +235,8 @@ CaseTensors make_tensors(const AttentionCase& c, c10::optional<torch::ScalarType
   t.v = make(shape(c.Hkv, c.S, c.Dv), c.v_layout, t.v_leaf);
   t.upstream = leaf_values(shape(c.H, c.N, c.Dv), c.dtype, dtype);
 
-  auto options =
-      qkv::ScaledDotProductAttentionOptions().causal(c.causal).scale(c.scale).enable_gqa(c.H != c.Hkv);
+  auto options = qkv::ScaledDotProductAttentionOptions().causal(c.causal).window(c.window).scale(c.scale).enable_gqa(
+      c.H != c.Hkv);
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   switch (c.mask) {
     case MaskKind::None:

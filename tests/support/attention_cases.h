@@ -86,6 +86,7 @@ const char* to_string(MaskKind kind);
 struct AttentionCase {
   int64_t B = 1, H = 1, Hkv = 1, N = 1, S = 1, D = 1, Dv = 1;
   bool causal = false;
+  c10::optional<int64_t> window;  // sliding window (causal cases only)
   bool unbatched = false;  // q, k, v of rank 3 (H, N, D): no batch dimension
   MaskKind mask = MaskKind::None;
   std::vector<int64_t> mask_shape;  // of the float/bool mask

@@ -28,6 +28,7 @@ namespace {
 struct Settings {
   double scale = 1.0, dropout = 0.0;
   bool causal = false;
+  int64_t window = 0;  // 0: none
   uint64_t seed = 0;
 };
 
@@ -38,6 +39,7 @@ Problem<acc_t> problem_of(const Operands& o, const Settings& settings) {
   p.D = o.q.size(3), p.Dv = o.v.size(3);
   p.scale = static_cast<acc_t>(settings.scale);
   p.causal = settings.causal;
+  p.window = settings.window;
   p.key_lengths = o.key_lengths.numel() > 0 ? o.key_lengths.data_ptr<int64_t>() : nullptr;
   if (o.mask.dim() == 4) {
     p.mask.stride_b = o.mask.stride(0), p.mask.stride_h = o.mask.stride(1);
@@ -107,6 +109,7 @@ Gradients run_backward(const Operands& o, const torch::Tensor& out, const torch:
 torch::Tensor math_recomputation(const Operands& o, const Settings& settings) {
   auto options = ScaledDotProductAttentionOptions()
                      .causal(settings.causal)
+                     .window(settings.window > 0 ? c10::optional<int64_t>(settings.window) : c10::nullopt)
                      .scale(settings.scale)
                      .enable_gqa(o.q.size(1) != o.k.size(1))
                      .backend(AttentionBackend::Math);
@@ -133,6 +136,7 @@ struct SavedState {
     ctx->saved_data["scale"] = settings.scale;
     ctx->saved_data["dropout"] = settings.dropout;
     ctx->saved_data["causal"] = settings.causal;
+    ctx->saved_data["window"] = settings.window;
     ctx->saved_data["seed"] = static_cast<int64_t>(settings.seed);
   }
 
@@ -145,6 +149,7 @@ struct SavedState {
     state.settings.scale = ctx->saved_data["scale"].toDouble();
     state.settings.dropout = ctx->saved_data["dropout"].toDouble();
     state.settings.causal = ctx->saved_data["causal"].toBool();
+    state.settings.window = ctx->saved_data["window"].toInt();
     state.settings.seed = static_cast<uint64_t>(ctx->saved_data["seed"].toInt());
     return state;
   }
@@ -153,17 +158,17 @@ struct SavedState {
 class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFunction> {
  public:
   // The inputs in this order, so that the backward returns one gradient per input.
-  enum Input { kQuery, kKey, kValue, kMask, kKeyLengths, kScale, kCausal, kDropout, kSeed, kInputs };
+  enum Input { kQuery, kKey, kValue, kMask, kKeyLengths, kScale, kCausal, kWindow, kDropout, kSeed, kInputs };
 
   // q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), mask (B, H, N, S) view or empty,
   // key_lengths (B,) or empty, all from normalise_operands. Returns the output (B, H, N, Dv).
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const torch::Tensor& mask, const torch::Tensor& key_lengths,
-                               double scale, bool causal, double dropout, int64_t seed) {
+                               double scale, bool causal, int64_t window, double dropout, int64_t seed) {
     SavedState state;
     state.operands.q = q, state.operands.k = k, state.operands.v = v;
     state.operands.mask = mask, state.operands.key_lengths = key_lengths;
-    state.settings = Settings{scale, dropout, causal, static_cast<uint64_t>(seed)};
+    state.settings = Settings{scale, dropout, causal, window, static_cast<uint64_t>(seed)};
     std::tie(state.output, state.lse) = run_forward(state.operands, state.settings);
     state.save(ctx);
     return state.output;
@@ -226,7 +231,8 @@ AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::T
   const double dropout = options.training() ? options.dropout() : 0.0;
   auto output = tiled::TiledAttentionFunction::apply(operands.q, operands.k, operands.v, operands.mask,
                                                      operands.key_lengths, resolved_scale(options, q.size(-1)),
-                                                     options.causal(), dropout, static_cast<int64_t>(seed));
+                                                     options.causal(), options.window().value_or(0), dropout,
+                                                     static_cast<int64_t>(seed));
   AttentionResult result;
   result.output = output.reshape(operands.output_shape);
   result.backend = AttentionBackend::Tiled;

@@ -68,8 +68,10 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kv_head * G + g;
           // Causal: rows above the block's first key never see it.
+          // and with a window, rows past the block's last key + W never see it.
           const int64_t first_row = p.causal ? (j0 / kRowsPerBlock) * kRowsPerBlock : 0;
-          for (int64_t i0 = first_row; i0 < p.N; i0 += kRowsPerBlock) {
+          const int64_t row_end = p.row_limit(j0 + cols);
+          for (int64_t i0 = first_row; i0 < row_end; i0 += kRowsPerBlock) {
             const int64_t rows = std::min(kRowsPerBlock, p.N - i0);
             int64_t ldq = 0, ldo = 0;
             const acc_t* q_rows = rows_as<scalar_t, acc_t>(q.rows(b, h, i0), q.stride_row, rows, p.D, q_scratch, ldq);

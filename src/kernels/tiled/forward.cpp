@@ -40,7 +40,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
       std::fill(accumulator.begin(), accumulator.end(), acc_t(0));
       const int64_t key_end = p.key_limit(b, i0 + rows);
-      for (int64_t j0 = 0; j0 < key_end; j0 += kKeysPerBlock) {
+      for (int64_t j0 = p.key_begin(i0); j0 < key_end; j0 += kKeysPerBlock) {  // a window skips older keys
         const int64_t cols = std::min(kKeysPerBlock, key_end - j0);
         int64_t ldk = 0, ldv = 0;
         const acc_t* k_rows = rows_as<scalar_t, acc_t>(k.rows(b, kv_head, j0), k.stride_row, cols, p.D, k_scratch, ldk);

@@ -44,11 +44,16 @@ struct Problem {
   int64_t B = 0, H = 0, Hkv = 0, N = 0, S = 0, D = 0, Dv = 0;
   acc_t scale = 1;
   bool causal = false;
+  int64_t window = 0;                    // sliding window W (with causal); 0: none
   const int64_t* key_lengths = nullptr;  // (B,) or null
   MaskView<acc_t> mask;
   DropoutStream dropout{0, 0.0};
 
   int64_t groups() const { return H / Hkv; }
+  // The first key that can matter to rows from i0 on: with a window, none before i0 - W + 1.
+  int64_t key_begin(int64_t i0) const { return window > 0 ? std::max<int64_t>(0, i0 - window + 1) : 0; }
+  // Rows that can see keys [j0, j1): with a window, none from j1 - 1 + W on (as a bound, clipped to N).
+  int64_t row_limit(int64_t j1) const { return window > 0 ? std::min(N, j1 - 1 + window) : N; }
   // Keys that can matter to rows [i0, i1) of batch b: past the length and above the diagonal, none.
   int64_t key_limit(int64_t b, int64_t i1) const {
     int64_t limit = S;
@@ -63,6 +68,7 @@ struct Problem {
     const int64_t length = key_lengths != nullptr ? key_lengths[b] : S;
     const bool partial_length = j0 + cols > length;
     const bool partial_causal = causal && j0 + cols - 1 > i0;
+    const bool partial_window = window > 0 && j0 <= i0 + rows - 1 - window;
     for (int64_t r = 0; r < rows; ++r) {
       acc_t* row = scores + r * ld;
       const int64_t i = i0 + r;
@@ -81,6 +87,9 @@ struct Problem {
       }
       if (partial_causal) {
         for (int64_t c = std::max<int64_t>(0, i + 1 - j0); c < cols; ++c) row[c] = kNegInf;
+      }
+      if (partial_window) {  // keys j <= i - W have left the window
+        for (int64_t c = 0; c < std::min(cols, i - window + 1 - j0); ++c) row[c] = kNegInf;
       }
     }
   }

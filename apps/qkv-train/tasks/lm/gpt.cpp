@@ -18,6 +18,8 @@ void GptImpl::reset() {
                                                 .num_kv_heads(options.kv_heads())
                                                 .rope(true)
                                                 .causal(true)
+                                                .window(options.window())
+                                                .checkpoint(options.checkpoint())
                                                 .dropout(options.dropout())));
   }
   final_norm = register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({E})));
@@ -56,8 +58,8 @@ torch::Tensor GptImpl::logits(const torch::Tensor& hidden) {
 
 torch::Tensor GptImpl::forward(const torch::Tensor& ids) {
   check_ids(ids, "Gpt::forward");
-  TORCH_CHECK(ids.size(1) <= options.context(), "Gpt::forward: ", ids.size(1), " positions exceed the context of ",
-              options.context());
+  TORCH_CHECK(options.window() || ids.size(1) <= options.context(), "Gpt::forward: ", ids.size(1),
+              " positions exceed the context of ", options.context(), " (only a model with a sliding window runs longer)");
   auto x = embedding_dropout(token_embedding(ids));  // (B, N, E)
   for (const auto& block : *blocks) x = block->as<qkv::TransformerBlock>()->forward(x);
   return logits(x);

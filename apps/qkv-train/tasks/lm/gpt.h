@@ -27,6 +27,11 @@ struct GptOptions {
   TORCH_ARG(double, dropout) = 0.0;
   /// The LM head uses the token embedding's matrix (no head.weight parameter then).
   TORCH_ARG(bool, tie_weights) = false;
+  /// Sliding-window attention of W positions in every block: the model then runs on sequences of
+  /// any length (RoPE has no bound) and its KV caches roll (W slots each).
+  TORCH_ARG(c10::optional<int64_t>, window) = c10::nullopt;
+  /// Activation checkpointing of every block (TransformerBlockOptions::checkpoint).
+  TORCH_ARG(bool, checkpoint) = false;
 };
 
 class GptImpl : public torch::nn::Cloneable<GptImpl> {
@@ -34,11 +39,11 @@ class GptImpl : public torch::nn::Cloneable<GptImpl> {
   explicit GptImpl(const GptOptions& options);
   void reset() override;
 
-  /// ids (B, N), N <= context -> logits (B, N, V).
+  /// ids (B, N) -> logits (B, N, V); N <= context unless the model has a sliding window.
   torch::Tensor forward(const torch::Tensor& ids);
   /// T new ids (B, T) after the caches' positions -> their logits (B, T, V); one cache per block.
   torch::Tensor forward_with_cache(const torch::Tensor& ids, std::vector<qkv::KVCache>& caches);
-  /// One empty cache per block, each of capacity `context`.
+  /// One empty cache per block, each of capacity `context` (rolling, of `window` slots, with a window).
   std::vector<qkv::KVCache> make_caches(int64_t batch) const;
   /// The attention weights of every block on ids (B, N): L tensors (B, H, N, N). Eval mode, no gradients.
   std::vector<torch::Tensor> attention_weights(const torch::Tensor& ids);

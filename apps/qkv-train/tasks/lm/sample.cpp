@@ -44,8 +44,11 @@ torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_toke
   // bookkeeping (version counters, views' metadata) is a measurable part of each one.
   c10::InferenceMode inference;
   const EvalModeGuard eval_mode(*model);
-  const int64_t context = model->options.context();
-  const int64_t kept_on_slide = std::max<int64_t>(1, context / 2);
+  // A model with a sliding window never slides a context: its caches roll, and without them the
+  // whole sequence is recomputed (the window bounds what each position sees, at any length).
+  const bool windowed = model->options.window().has_value();
+  const int64_t context = windowed ? std::numeric_limits<int64_t>::max() : model->options.context();
+  const int64_t kept_on_slide = std::max<int64_t>(1, model->options.context() / 2);
   const auto device = model->token_embedding->weight.device();
   auto sequence = prompt.to(device, torch::kLong).unsqueeze(0);  // (1, P + i)
   int64_t window_start = std::max<int64_t>(0, sequence.size(1) - context);
@@ -80,7 +83,9 @@ Gpt make_model(const RunConfig& config, int64_t vocabulary, const torch::Device&
   Gpt model(GptOptions(vocabulary, config.d_model, config.heads, config.layers, config.seq_len)
                 .kv_heads(config.kv_heads ? c10::optional<int64_t>(*config.kv_heads) : c10::nullopt)
                 .dropout(config.dropout)
-                .tie_weights(config.tie_weights));
+                .tie_weights(config.tie_weights)
+                .window(config.window ? c10::optional<int64_t>(*config.window) : c10::nullopt)
+                .checkpoint(config.checkpoint_activations));
   model->to(device, config.dtype());
   return model;
 }

@@ -30,7 +30,9 @@ struct Sampling {
 /// to its last C tokens; when the sequence then outgrows C, the window restarts from the newest
 /// max(1, C / 2) tokens (RoPE positions count from the window's start). With the KV cache the
 /// caches are re-filled with those tokens (one prefill, then one token at a time again); without
-/// it the same window is recomputed for every token, so both give the same tokens.
+/// it the same window is recomputed for every token, so both give the same tokens. A model with a
+/// sliding window does not slide: its caches roll (constant memory at any length), and without
+/// them the whole sequence is recomputed.
 torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_tokens, const Sampling& sampling,
                        at::Generator generator);
 
