@@ -54,14 +54,23 @@ class SelfAttention(nn.Module):
         return out.transpose(-3, -2).reshape(*lead, n, e)
 
 
-def attention(q, k, v, causal, use_sdpa, dropout=0.0):
+def attention(q, k, v, causal, use_sdpa, dropout=0.0, window=0):
     groups = q.size(-3) // k.size(-3)
     if groups > 1:  # grouped-query heads: each key/value head serves `groups` query heads
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    band = None
+    if window:  # a sliding window: PyTorch has none of its own on the CPU, so a band mask (true = attend)
+        positions = torch.arange(q.size(-2), device=q.device)
+        offsets = positions.unsqueeze(1) - positions.unsqueeze(0)  # i - j
+        band = (offsets >= 0) & (offsets < window)
     if use_sdpa:
+        if band is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
     scores = q @ k.transpose(-2, -1) / (k.size(-1) ** 0.5)
-    if causal:
+    if band is not None:
+        scores = scores.masked_fill(~band, float("-inf"))
+    elif causal:
         n = q.size(-2)
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
@@ -158,7 +167,9 @@ def flop_count(case):
     batch = max(case["batch"], 1)
     n, h = case["seq_len"], case.get("heads", 1)
     d = case.get("head_dim", case.get("d_model", 0) // h)
-    attention_flops = 4.0 * batch * h * n * n * d * (0.5 if case.get("causal") else 1.0)
+    window = case.get("window", 0)
+    attention_flops = (4.0 * batch * h * n * min(n, window) * d if window
+                       else 4.0 * batch * h * n * n * d * (0.5 if case.get("causal") else 1.0))
     core = case["kind"].startswith("core_")
     projections = 0.0 if core else 3 * 2.0 * batch * n * case["d_model"] ** 2
     if case["kind"] not in ("module_forward", "core_forward"):
@@ -185,15 +196,15 @@ def make_iteration(case, impl, device):
         q = torch.randn(shape, device=device, dtype=dtype, requires_grad=backward)
         k, v = (torch.randn(kv_shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(2))
         grad_output = torch.randn(shape, device=device, dtype=dtype)
-        causal, dropout = case.get("causal", False), case.get("dropout", 0.0)
+        causal, dropout, window = case.get("causal", False), case.get("dropout", 0.0), case.get("window", 0)
 
         def core():
             if not backward:
                 with torch.no_grad():
-                    attention(q, k, v, causal, use_sdpa)
+                    attention(q, k, v, causal, use_sdpa, window=window)
                 return
             q.grad = k.grad = v.grad = None
-            attention(q, k, v, causal, use_sdpa, dropout).backward(grad_output)
+            attention(q, k, v, causal, use_sdpa, dropout, window).backward(grad_output)
 
         return core
 

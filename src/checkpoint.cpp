@@ -6,6 +6,8 @@
 // backward is refused by autograd, as for any saved tensor.
 #include <qkv/checkpoint.h>
 
+#include "torch_compat.h"
+
 #include <ATen/Context.h>
 #include <torch/torch.h>
 
@@ -43,11 +45,30 @@ void set_states(std::vector<at::Generator>& generators, const std::vector<torch:
   }
 }
 
+// Autocast's state on the CPU and CUDA (enabled, dtype): the recomputation must run in the
+// precision the forward ran in, as torch.utils.checkpoint re-enters the forward's autocast.
+struct AutocastState {
+  bool cpu_enabled = false, cuda_enabled = false;
+  at::ScalarType cpu_dtype = at::kBFloat16, cuda_dtype = at::kHalf;
+
+  static AutocastState current() {
+    return {compat::autocast_enabled(at::kCPU), compat::autocast_enabled(at::kCUDA),
+            compat::autocast_dtype(at::kCPU), compat::autocast_dtype(at::kCUDA)};
+  }
+  void apply() const {
+    compat::set_autocast_enabled(at::kCPU, cpu_enabled);
+    compat::set_autocast_dtype(at::kCPU, cpu_dtype);
+    compat::set_autocast_enabled(at::kCUDA, cuda_enabled);
+    compat::set_autocast_dtype(at::kCUDA, cuda_dtype);
+  }
+};
+
 // What the backward needs besides the saved tensors.
 struct Recipe : torch::CustomClassHolder {
   CheckpointedFunction function;
   std::vector<at::Generator> generators;
   std::vector<torch::Tensor> rng_states;  // before the forward's run
+  AutocastState autocast;                 // during the forward's run
   size_t input_count = 0;
 };
 
@@ -79,14 +100,20 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     }
     torch::Tensor output;
     {
-      // The forward's random draws, replayed; the generators' current states put back after.
+      // The forward's random draws and precision, replayed; the current ones put back after.
       const auto current = states_of(recipe->generators);
+      const auto current_autocast = AutocastState::current();
       set_states(recipe->generators, recipe->rng_states);
+      recipe->autocast.apply();
       struct Restore {
         Recipe& recipe;
         const std::vector<torch::Tensor>& states;
-        ~Restore() { set_states(recipe.generators, states); }
-      } restore{*recipe, current};
+        const AutocastState& autocast;
+        ~Restore() {
+          set_states(recipe.generators, states);
+          autocast.apply();
+        }
+      } restore{*recipe, current, current_autocast};
       torch::AutoGradMode enable(true);
       output = recipe->function(inputs);
     }
@@ -122,6 +149,7 @@ torch::Tensor checkpoint(const CheckpointedFunction& function, const std::vector
   recipe->function = function;
   recipe->generators = generators_of(inputs);
   recipe->rng_states = states_of(recipe->generators);
+  recipe->autocast = AutocastState::current();
   recipe->input_count = inputs.size();
   return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(parameters), recipe);
 }

@@ -3,6 +3,7 @@
 // comparing TORCH_VERSION itself. Private to qkv's build (library, apps, tests); not installed.
 #pragma once
 
+#include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
 #include <utility>
@@ -22,6 +23,50 @@
 #define QKV_TORCH_C10D_BACKEND_CLASS QKV_TORCH_AT_LEAST(2, 0)
 
 namespace qkv::compat {
+
+// Autocast's state per device type: LibTorch 2.4 made it one set of functions taking the device
+// type; 1.13 to 2.3 have one function per device (set_enabled for CUDA, set_cpu_enabled, ...).
+#define QKV_TORCH_AUTOCAST_BY_DEVICE_TYPE QKV_TORCH_AT_LEAST(2, 4)
+
+inline bool autocast_enabled(at::DeviceType type) {
+#if QKV_TORCH_AUTOCAST_BY_DEVICE_TYPE
+  return at::autocast::is_autocast_enabled(type);
+#else
+  return type == at::kCPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+#endif
+}
+
+inline void set_autocast_enabled(at::DeviceType type, bool enabled) {
+#if QKV_TORCH_AUTOCAST_BY_DEVICE_TYPE
+  at::autocast::set_autocast_enabled(type, enabled);
+#else
+  if (type == at::kCPU) {
+    at::autocast::set_cpu_enabled(enabled);
+  } else {
+    at::autocast::set_enabled(enabled);
+  }
+#endif
+}
+
+inline at::ScalarType autocast_dtype(at::DeviceType type) {
+#if QKV_TORCH_AUTOCAST_BY_DEVICE_TYPE
+  return at::autocast::get_autocast_dtype(type);
+#else
+  return type == at::kCPU ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+#endif
+}
+
+inline void set_autocast_dtype(at::DeviceType type, at::ScalarType dtype) {
+#if QKV_TORCH_AUTOCAST_BY_DEVICE_TYPE
+  at::autocast::set_autocast_dtype(type, dtype);
+#else
+  if (type == at::kCPU) {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  } else {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  }
+#endif
+}
 
 namespace detail {
 template <typename Options>

@@ -39,6 +39,7 @@ struct Case {
   std::string name, device, kind, impl, dtype;
   int64_t batch = 0, seq_len = 0, d_model = 0, heads = 1, head_dim = 0, kv_heads = 0;
   bool causal = false;
+  int64_t window = 0;    // core cases: sliding window (causal); 0: none
   double dropout = 0.0;  // core cases: attention dropout while training
   int64_t warmup = 3;    // iterations before timing (1 for the very long cases)
 };
@@ -56,6 +57,7 @@ Case parse_case(const nlohmann::json& j) {
   c.heads = j.value("heads", int64_t{1});
   c.head_dim = j.value("head_dim", c.heads > 0 && c.d_model > 0 ? c.d_model / c.heads : int64_t{0});
   c.causal = j.value("causal", false);
+  c.window = j.value("window", int64_t{0});
   c.kv_heads = j.value("kv_heads", c.heads);
   c.dropout = j.value("dropout", 0.0);
   c.warmup = j.value("warmup", int64_t{3});
@@ -84,7 +86,9 @@ double flop_count(const Case& c) {
   const double batch = static_cast<double>(std::max<int64_t>(c.batch, 1));
   const double n = static_cast<double>(c.seq_len), h = static_cast<double>(c.heads),
                d = static_cast<double>(c.head_dim);
-  double attention = 4.0 * batch * h * n * n * d * (c.causal ? 0.5 : 1.0);
+  // A sliding window of W keys: about N·W score pairs instead of N² (or N²/2 causal).
+  double attention = c.window > 0 ? 4.0 * batch * h * n * std::min(n, static_cast<double>(c.window)) * d
+                                  : 4.0 * batch * h * n * n * d * (c.causal ? 0.5 : 1.0);
   double projections = is_core(c) ? 0.0 : 3.0 * 2.0 * batch * n * static_cast<double>(c.d_model * c.d_model);
   if (has_backward(c)) {
     attention *= 1.0 + 2.5;
@@ -143,6 +147,7 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
     auto grad_output = torch::randn(shape, options);
     const auto core_options = qkv::ScaledDotProductAttentionOptions()
                                   .causal(c.causal)
+                                  .window(c.window > 0 ? c10::optional<int64_t>(c.window) : c10::nullopt)
                                   .enable_gqa(c.kv_heads != c.heads)
                                   .dropout(c.dropout)
                                   .training(c.dropout > 0)

@@ -11,7 +11,7 @@ namespace qkv_train {
 namespace fs = std::filesystem;
 
 void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     const CheckpointState& state) {
+                     const qkv::GradScaler& scaler, const CheckpointState& state) {
   const auto path = (fs::path(dir) / kCheckpointFile).string();
   try {
     torch::serialize::OutputArchive archive;
@@ -20,6 +20,11 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
     optimizer.save(optimizer_archive);
     archive.write("model", model_archive);
     archive.write("optimizer", optimizer_archive);
+    if (scaler.is_enabled()) {
+      torch::serialize::OutputArchive scaler_archive;
+      scaler.save(scaler_archive);
+      archive.write("grad_scaler", scaler_archive);
+    }
     archive.write("step", torch::tensor(state.step, torch::kLong));
     archive.write("initial_loss", torch::tensor(state.initial_loss, torch::kDouble));
     archive.write("last_loss", torch::tensor(state.last_loss, torch::kDouble));
@@ -97,7 +102,8 @@ CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module&
   }
 }
 
-CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                qkv::GradScaler& scaler) {
   auto archive = open_archive(dir);
   try {
     torch::serialize::InputArchive model_archive, optimizer_archive;
@@ -105,6 +111,8 @@ CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model
     archive.read("optimizer", optimizer_archive);
     model.load(model_archive);
     optimizer.load(optimizer_archive);
+    torch::serialize::InputArchive scaler_archive;
+    if (scaler.is_enabled() && archive.try_read("grad_scaler", scaler_archive)) scaler.load(scaler_archive);
     torch::Tensor rng_state;
     archive.read("cpu_rng_state", rng_state);
     auto generator = at::detail::getDefaultCPUGenerator();  // a handle; the state it sets is shared

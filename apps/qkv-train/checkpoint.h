@@ -3,6 +3,8 @@
 // loss never leaves a broken latest checkpoint.
 #pragma once
 
+#include <qkv/precision.h>
+
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
@@ -22,9 +24,10 @@ struct CheckpointState {
   nlohmann::json task_state = nlohmann::json::object();
 };
 
-/// Writes DIR/checkpoint.pt atomically. Throws std::runtime_error naming the path on failure.
+/// Writes DIR/checkpoint.pt atomically, with the loss scaler's state (mixed precision). Throws
+/// std::runtime_error naming the path on failure.
 void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     const CheckpointState& state);
+                     const qkv::GradScaler& scaler, const CheckpointState& state);
 
 /// Reads only the options and step of DIR/checkpoint.pt (to check a resume before building the model).
 CheckpointState read_checkpoint_state(const std::string& dir);
@@ -32,7 +35,9 @@ CheckpointState read_checkpoint_state(const std::string& dir);
 /// Loads only the model's weights of DIR/checkpoint.pt into `model` (generation from a checkpoint).
 CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module& model);
 
-/// Loads DIR/checkpoint.pt into `model` and `optimizer` and restores the CPU RNG state.
-CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+/// Loads DIR/checkpoint.pt into `model`, `optimizer` and `scaler` (when the checkpoint has a
+/// scaler's state and `scaler` is enabled) and restores the CPU RNG state.
+CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                qkv::GradScaler& scaler);
 
 }  // namespace qkv_train

@@ -95,6 +95,11 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--dtype", config.dtype_name, "Parameter and input dtype")
       ->check(CLI::IsMember({"float32", "float64", "bfloat16"}));
+  app.add_option("--precision", config.precision,
+                 "fp32, or mixed precision: float32 weights and optimizer state, products and attention in bfloat16 "
+                 "(bf16-mixed) or float16 with loss scaling (fp16-mixed), softmax statistics, LayerNorm and loss in "
+                 "float32")
+      ->check(CLI::IsMember({"fp32", "bf16-mixed", "fp16-mixed"}));
   app.add_option("--d-model", config.d_model, "Model width E" + by_task([](auto& d) { return integer(d.d_model); }))
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
       ->default_str("by task");
@@ -249,6 +254,10 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
     if (const auto problem = distributed_option_problem(config, config.nproc); !problem.empty()) {
       return usage_error("--nproc " + std::to_string(config.nproc) + ": " + problem);
     }
+  }
+  if (config.precision != "fp32" && config.dtype_name != "float32") {
+    return usage_error("--precision " + config.precision + " keeps float32 weights and optimizer state and computes "
+                       "in lower precision under autocast; it needs --dtype float32, got --dtype " + config.dtype_name);
   }
   if (const auto problem = task.check(config); !problem.empty()) return usage_error(problem);
   return -1;

@@ -49,6 +49,7 @@ const std::vector<OptionField>& fields() {
       field("seq_len", "--seq-len", Role::Model, &RunConfig::seq_len),
       field("causal", "--causal", Role::Model, &RunConfig::causal),
       field("dtype", "--dtype", Role::Model, &RunConfig::dtype_name),
+      field("precision", "--precision", Role::RunWarn, &RunConfig::precision),
       field("optimizer", "--optimizer", Role::Model, &RunConfig::optimizer),
       field("scale", "--scale", Role::Model, &RunConfig::scale),
       field("tie_weights", "--tie-weights", Role::Model, &RunConfig::tie_weights),
@@ -73,6 +74,12 @@ const std::vector<OptionField>& fields() {
 }  // namespace
 
 torch::ScalarType RunConfig::dtype() const { return qkv_cli::dtype_from_name(dtype_name); }
+
+std::optional<torch::ScalarType> RunConfig::autocast_dtype() const {
+  if (precision == "bf16-mixed") return torch::kBFloat16;
+  if (precision == "fp16-mixed") return torch::kHalf;
+  return std::nullopt;
+}
 
 const std::vector<std::pair<std::string, std::string>>& model_option_flags() {
   static const auto flags = [] {

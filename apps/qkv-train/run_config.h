@@ -27,6 +27,7 @@ struct RunConfig {
   std::string task = "seed";         // a name in task_registry()
   std::string device_name = "auto";  // auto | cpu | cuda
   std::string dtype_name = "float32";
+  std::string precision = "fp32";    // fp32 | bf16-mixed | fp16-mixed (float32 weights, autocast)
   // Sizes and training; 0 = the task's default (see TaskDefaults).
   int64_t d_model = 0;
   int64_t heads = 0;
@@ -74,6 +75,8 @@ struct RunConfig {
     return std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_s * 1000));
   }
   torch::ScalarType dtype() const;
+  /// The dtype autocast computes in: bfloat16 or float16 for a mixed precision, else unset.
+  std::optional<torch::ScalarType> autocast_dtype() const;
 };
 
 /// The options that define the model and its training: a checkpoint can only be resumed with

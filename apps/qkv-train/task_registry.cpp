@@ -11,7 +11,7 @@ namespace qkv_train {
 namespace {
 
 // The options of every trained task: checkpoints, resume, initial weights, data parallelism.
-const std::vector<std::string> kTrainedFlags{"--batch",        "--steps",        "--lr",    "--dtype",
+const std::vector<std::string> kTrainedFlags{"--batch",        "--steps",        "--lr",    "--dtype", "--precision",
                                              "--log-every",    "--eval-every",   "--out",   "--checkpoint-every",
                                              "--resume",       "--init-weights", "--nproc", "--dist-backend",
                                              "--dist-timeout", "--save-replicas"};

@@ -20,7 +20,8 @@ using CheckpointedFunction = std::function<torch::Tensor(const std::vector<torch
 ///
 /// The second run replays the first one's random draws: the CPU generator's state (dropout masks,
 /// the tiled kernel's dropout seed) and that of the inputs' device are saved before the first run,
-/// set for the second, and restored after it. `function` must otherwise compute the same thing
+/// set for the second, and restored after it; so is the autocast state (the second run computes
+/// in the precision the first one did). `function` must otherwise compute the same thing
 /// twice (no state it changes, e.g. a BatchNorm's running statistics).
 ///
 /// Without grad mode, or when nothing requires grad, it is `function(inputs)`. Works with

@@ -6,6 +6,7 @@
 #include <qkv/kv_cache.h>
 #include <qkv/masks.h>
 #include <qkv/options.h>
+#include <qkv/precision.h>
 #include <qkv/self_attention.h>
 #include <qkv/state_dict.h>
 #include <qkv/transformer_block.h>

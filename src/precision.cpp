@@ -1,0 +1,181 @@
+// AutocastGuard and GradScaler (include/qkv/precision.h).
+#include <qkv/precision.h>
+
+#include "torch_compat.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <mutex>
+
+namespace qkv {
+
+namespace {
+
+// Whether autocast casts a linear layer's product to `dtype` on `type` here: tried once per
+// pair. LibTorch 1.13's CPU autocast takes bfloat16 only (float16 fails at the first operation:
+// "AutocastCPU only support Bfloat16"); 2.x takes both.
+bool autocast_casts_to(torch::DeviceType type, torch::ScalarType dtype) {
+  if (type == torch::kCUDA) return dtype == torch::kHalf || dtype == torch::kBFloat16;
+  if (type != torch::kCPU || (dtype != torch::kHalf && dtype != torch::kBFloat16)) return false;
+  if (dtype == torch::kBFloat16) return true;
+  static std::once_flag once;
+  static bool half_works = false;
+  std::call_once(once, [] {
+    const bool was_enabled = compat::autocast_enabled(torch::kCPU);
+    const auto was_dtype = compat::autocast_dtype(torch::kCPU);
+    try {
+      compat::set_autocast_dtype(torch::kCPU, torch::kHalf);  // 1.13 refuses here already
+      compat::set_autocast_enabled(torch::kCPU, true);
+      torch::NoGradGuard no_grad;
+      half_works = torch::linear(torch::ones({1, 2}), torch::ones({2, 2})).scalar_type() == torch::kHalf;
+    } catch (const c10::Error&) {
+      half_works = false;
+    }
+    at::autocast::clear_cache();
+    compat::set_autocast_enabled(torch::kCPU, was_enabled);
+    compat::set_autocast_dtype(torch::kCPU, was_dtype);
+  });
+  return half_works;
+}
+
+}  // namespace
+
+bool AutocastGuard::supports(const torch::Device& device, torch::ScalarType dtype) {
+  return autocast_casts_to(device.type(), dtype);
+}
+
+AutocastGuard::AutocastGuard(const torch::Device& device, torch::ScalarType dtype, bool enabled)
+    : device_type_(device.type()) {
+  TORCH_CHECK(device_type_ == torch::kCPU || device_type_ == torch::kCUDA,
+              "AutocastGuard: expected a CPU or CUDA device, got ", device);
+  TORCH_CHECK(!enabled || supports(device, dtype), "AutocastGuard: LibTorch ", TORCH_VERSION, "'s autocast on ",
+              c10::DeviceTypeName(device_type_), " does not take ", dtype,
+              device_type_ == torch::kCPU ? " (its CPU autocast takes bfloat16; float16 needs LibTorch 2.x)" : "");
+  previous_enabled_ = compat::autocast_enabled(device_type_);
+  previous_dtype_ = compat::autocast_dtype(device_type_);
+  compat::set_autocast_enabled(device_type_, enabled);
+  if (enabled) compat::set_autocast_dtype(device_type_, dtype);
+  at::autocast::increment_nesting();
+}
+
+AutocastGuard::~AutocastGuard() {
+  // As torch.autocast's __exit__: the cached casts of the weights live until the outermost scope ends.
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  compat::set_autocast_enabled(device_type_, previous_enabled_);
+  compat::set_autocast_dtype(device_type_, previous_dtype_);
+}
+
+GradScaler::GradScaler(const GradScalerOptions& options) : options_(options), scale_(options.init_scale()) {
+  TORCH_CHECK(options.init_scale() > 0 && std::isfinite(options.init_scale()),
+              "GradScaler: expected a positive finite init_scale, got ", options.init_scale());
+  TORCH_CHECK(options.growth_factor() > 1.0, "GradScaler: expected growth_factor > 1, got ", options.growth_factor());
+  TORCH_CHECK(options.backoff_factor() > 0.0 && options.backoff_factor() < 1.0,
+              "GradScaler: expected backoff_factor in (0, 1), got ", options.backoff_factor());
+  TORCH_CHECK(options.growth_interval() >= 1, "GradScaler: expected growth_interval >= 1, got ",
+              options.growth_interval());
+}
+
+double GradScaler::get_scale() const { return is_enabled() ? scale_ : 1.0; }
+
+torch::Tensor GradScaler::scale(const torch::Tensor& loss) {
+  if (!is_enabled()) return loss;
+  // In float32 (or wider): a float16 loss times 65536 would itself overflow.
+  const auto wide = loss.scalar_type() == torch::kDouble ? loss : loss.to(torch::kFloat);
+  return wide * scale_;
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!is_enabled()) return;
+  auto& record = records_[&optimizer];
+  TORCH_CHECK(record.stage == Stage::Ready,
+              "GradScaler::unscale_: already called for this optimizer since the last update()");
+  const double inverse = 1.0 / scale_;
+  torch::NoGradGuard no_grad;
+  bool found_inf = false;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& parameter : group.params()) {
+      auto& grad = parameter.mutable_grad();
+      if (!grad.defined()) continue;
+      grad.mul_(inverse);
+      // One reduction per tensor, read once per step: what torch's _amp_foreach_non_finite_check_
+      // and_unscale_ does on CUDA, without needing that kernel on the CPU of LibTorch 1.13.
+      if (!found_inf) found_inf = !grad.isfinite().all().item<bool>();
+    }
+  }
+  record.found_inf = found_inf;
+  record.stage = Stage::Unscaled;
+}
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!is_enabled()) {
+    optimizer.step();
+    return true;
+  }
+  auto& record = records_[&optimizer];
+  TORCH_CHECK(record.stage != Stage::Stepped, "GradScaler::step: already called for this optimizer since update()");
+  if (record.stage == Stage::Ready) unscale_(optimizer);
+  auto& unscaled = records_[&optimizer];
+  unscaled.stage = Stage::Stepped;
+  if (unscaled.found_inf) return false;
+  optimizer.step();
+  return true;
+}
+
+void GradScaler::update() {
+  if (!is_enabled()) return;
+  bool found_inf = false;
+  for (const auto& [optimizer, record] : records_) found_inf = found_inf || record.found_inf;
+  TORCH_CHECK(!records_.empty(), "GradScaler::update: no step() or unscale_() since the last update()");
+  if (found_inf) {
+    scale_ *= options_.backoff_factor();
+    growth_tracker_ = 0;
+  } else if (++growth_tracker_ == options_.growth_interval()) {
+    scale_ *= options_.growth_factor();
+    growth_tracker_ = 0;
+  }
+  last_skipped_ = found_inf;
+  records_.clear();
+}
+
+std::map<std::string, double> GradScaler::state_dict() const {
+  if (!is_enabled()) return {};
+  return {{"scale", scale_},
+          {"growth_factor", options_.growth_factor()},
+          {"backoff_factor", options_.backoff_factor()},
+          {"growth_interval", static_cast<double>(options_.growth_interval())},
+          {"_growth_tracker", static_cast<double>(growth_tracker_)}};
+}
+
+void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
+  TORCH_CHECK(is_enabled() || state.empty(), "GradScaler::load_state_dict: a disabled scaler takes no state");
+  if (state.empty()) return;
+  for (const char* key : {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}) {
+    TORCH_CHECK(state.count(key) == 1, "GradScaler::load_state_dict: expected the key ", key, " in the state");
+  }
+  TORCH_CHECK(state.at("scale") > 0 && std::isfinite(state.at("scale")),
+              "GradScaler::load_state_dict: expected a positive finite scale, got ", state.at("scale"));
+  scale_ = state.at("scale");
+  options_.growth_factor(state.at("growth_factor"));
+  options_.backoff_factor(state.at("backoff_factor"));
+  options_.growth_interval(static_cast<int64_t>(state.at("growth_interval")));
+  growth_tracker_ = static_cast<int64_t>(state.at("_growth_tracker"));
+  records_.clear();
+}
+
+void GradScaler::save(torch::serialize::OutputArchive& archive) const {
+  for (const auto& [key, value] : state_dict()) archive.write(key, torch::tensor(value, torch::kDouble));
+}
+
+void GradScaler::load(torch::serialize::InputArchive& archive) {
+  if (!is_enabled()) return;
+  std::map<std::string, double> state;
+  for (const char* key : {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}) {
+    torch::Tensor value;
+    archive.read(key, value);
+    state[key] = value.item<double>();
+  }
+  load_state_dict(state);
+}
+
+}  // namespace qkv

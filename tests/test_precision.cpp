@@ -1,0 +1,159 @@
+// Mixed precision: qkv::AutocastGuard (LibTorch's autocast state for a scope) and qkv::GradScaler
+// (torch.amp.GradScaler's loss scaling) on the CPU, against what they must do by definition.
+#include "support/fixtures.h"
+
+#include <gmock/gmock.h>
+
+#include <limits>
+
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(AutocastGuard, LinearLayersComputeInBFloat16InsideAndTheStateIsRestoredAfter) {
+  torch::nn::Linear linear(8, 8);
+  const auto x = torch::randn({4, 8});
+  {
+    const qkv::AutocastGuard outer(torch::kCPU, torch::kBFloat16);
+    EXPECT_EQ(linear(x).scalar_type(), torch::kBFloat16);
+    {
+      const qkv::AutocastGuard off(torch::kCPU, torch::kBFloat16, /*enabled=*/false);  // a float32 island
+      EXPECT_EQ(linear(x).scalar_type(), torch::kFloat);
+    }
+    EXPECT_EQ(linear(x).scalar_type(), torch::kBFloat16) << "the inner guard restored the outer state";
+  }
+  EXPECT_EQ(linear(x).scalar_type(), torch::kFloat);
+  EXPECT_EQ(linear->weight.scalar_type(), torch::kFloat) << "the weights stay float32";
+}
+
+// The attention inside autocast: q, k, v come out of the projections in bfloat16 and the core
+// keeps its softmax statistics in float32; the result is close to the float32 module's.
+TEST(AutocastGuard, SelfAttentionUnderAutocastIsCloseToFloat32) {
+  torch::manual_seed(2);
+  qkv::SelfAttention attention(qkv::SelfAttentionOptions(64).num_heads(4).causal(true));
+  const auto x = torch::randn({2, 40, 64});
+  const auto reference = attention(x);
+  torch::Tensor mixed;
+  {
+    const qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+    mixed = attention(x);
+  }
+  EXPECT_EQ(mixed.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(qkv_test::tensors_close(mixed.to(torch::kFloat), reference,
+                                      qkv_test::tolerance_for(torch::kBFloat16, 64)));
+}
+
+TEST(AutocastGuard, UnsupportedCombinationsAreRefusedNamingThem) {
+  EXPECT_THAT([] { qkv::AutocastGuard guard(torch::kCPU, torch::kFloat); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("does not take Float")));
+  if (!qkv::AutocastGuard::supports(torch::kCPU, torch::kHalf)) {  // LibTorch 1.13
+    EXPECT_THAT([] { qkv::AutocastGuard guard(torch::kCPU, torch::kHalf); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr("float16 needs LibTorch 2.x")));
+  } else {
+    torch::nn::Linear linear(4, 4);
+    const qkv::AutocastGuard guard(torch::kCPU, torch::kHalf);
+    EXPECT_EQ(linear(torch::randn({2, 4})).scalar_type(), torch::kHalf);
+  }
+}
+
+// A tiny model and an SGD optimizer for the scaler's tests.
+struct Problem {
+  torch::nn::Linear model{4, 3};
+  std::unique_ptr<torch::optim::SGD> optimizer;
+  Problem() {
+    torch::manual_seed(5);
+    model = torch::nn::Linear(4, 3);
+    optimizer = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1));
+  }
+  torch::Tensor loss() { return model(torch::ones({2, 4})).pow(2).sum(); }
+};
+
+TEST(GradScaler, AStepWithAnInfGradientIsSkippedAndTheScaleHalves) {
+  Problem p;
+  qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(1024.0));
+  const auto before = p.model->weight.detach().clone();
+  p.optimizer->zero_grad();
+  scaler.scale(p.loss()).backward();
+  p.model->weight.mutable_grad()[0][0] = std::numeric_limits<float>::infinity();  // injected overflow
+  EXPECT_FALSE(scaler.step(*p.optimizer));
+  scaler.update();
+  EXPECT_TRUE(torch::equal(p.model->weight, before)) << "the step was applied";
+  EXPECT_EQ(scaler.get_scale(), 512.0);
+  EXPECT_TRUE(scaler.last_step_skipped());
+  // A good step then goes through with the halved scale, and its gradients are the true ones.
+  p.optimizer->zero_grad();
+  scaler.scale(p.loss()).backward();
+  scaler.unscale_(*p.optimizer);
+  const auto unscaled = p.model->weight.grad().clone();
+  p.optimizer->zero_grad();
+  p.loss().backward();
+  EXPECT_TRUE(qkv_test::tensors_close(unscaled, p.model->weight.grad(), 1e-6));
+}
+
+TEST(GradScaler, TheScaleGrowsAfterGrowthIntervalGoodSteps) {
+  Problem p;
+  qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(8.0).growth_interval(3));
+  for (int step = 1; step <= 7; ++step) {
+    p.optimizer->zero_grad();
+    scaler.scale(p.loss()).backward();
+    EXPECT_TRUE(scaler.step(*p.optimizer));
+    scaler.update();
+    const double expected = step < 3 ? 8.0 : (step < 6 ? 16.0 : 32.0);
+    EXPECT_EQ(scaler.get_scale(), expected) << "after step " << step;
+  }
+  EXPECT_EQ(scaler.growth_tracker(), 1);
+}
+
+// unscale_ then clip_grad_norm_ gives the gradients that clipping the unscaled ones gives.
+TEST(GradScaler, UnscaleThenClipEqualsClippingTheTrueGradients) {
+  Problem scaled, plain;
+  qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(4096.0));
+  scaled.optimizer->zero_grad();
+  scaler.scale(scaled.loss()).backward();
+  scaler.unscale_(*scaled.optimizer);
+  torch::nn::utils::clip_grad_norm_(scaled.model->parameters(), 0.5);
+  plain.optimizer->zero_grad();
+  plain.loss().backward();
+  torch::nn::utils::clip_grad_norm_(plain.model->parameters(), 0.5);
+  EXPECT_TRUE(qkv_test::tensors_close(scaled.model->weight.grad(), plain.model->weight.grad(), 1e-6));
+  EXPECT_TRUE(qkv_test::tensors_close(scaled.model->bias.grad(), plain.model->bias.grad(), 1e-6));
+  EXPECT_TRUE(scaler.step(*scaled.optimizer));  // step after an explicit unscale_ does not unscale again
+  plain.optimizer->step();
+  EXPECT_TRUE(qkv_test::tensors_close(scaled.model->weight, plain.model->weight, 1e-6));
+}
+
+TEST(GradScaler, StateRoundTripsAndMisuseIsAnError) {
+  Problem p;
+  qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(256.0).growth_interval(5));
+  p.optimizer->zero_grad();
+  scaler.scale(p.loss()).backward();
+  scaler.step(*p.optimizer);
+  scaler.update();
+  torch::serialize::OutputArchive out;
+  scaler.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  qkv::GradScaler restored;
+  torch::serialize::InputArchive in;
+  std::istringstream stream(bytes.str());
+  in.load_from(stream);
+  restored.load(in);
+  EXPECT_EQ(restored.get_scale(), 256.0);
+  EXPECT_EQ(restored.growth_tracker(), 1);
+  EXPECT_EQ(restored.state_dict(), scaler.state_dict());
+
+  p.optimizer->zero_grad();
+  scaler.scale(p.loss()).backward();
+  scaler.unscale_(*p.optimizer);
+  EXPECT_THAT([&] { scaler.unscale_(*p.optimizer); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("already called for this optimizer")));
+  qkv::GradScaler fresh;
+  EXPECT_THAT([&] { fresh.update(); }, ::testing::ThrowsMessage<c10::Error>(HasSubstr("no step() or unscale_()")));
+  // Disabled: a pass-through.
+  qkv::GradScaler disabled(qkv::GradScalerOptions().enabled(false));
+  const auto loss = p.loss();
+  EXPECT_TRUE(disabled.scale(loss).is_same(loss));
+  EXPECT_EQ(disabled.get_scale(), 1.0);
+}
+
+}  // namespace
