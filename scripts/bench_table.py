@@ -53,6 +53,8 @@ def shape_of(case):
             text += f" Hkv={case['kv_heads']}"
     if case.get("causal"):
         text += " causal"
+    if case.get("window"):
+        text += f" window {case['window']}"
     if case.get("dropout"):
         text += f" dropout {case['dropout']:g}"
     return text + " " + case["dtype"]

@@ -98,6 +98,8 @@ class TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
   torch::Tensor mlp(const torch::Tensor& x);
   /// The block's computation, which checkpointing runs once more in the backward.
   torch::Tensor plain_forward(const torch::Tensor& x, const AttentionMask& mask);
+  /// The same with each residual branch checkpointed: what the checkpointed block recomputes.
+  torch::Tensor checkpointed_branches(const torch::Tensor& x, const AttentionMask& mask);
 };
 
 TORCH_MODULE(TransformerBlock);
