@@ -4,6 +4,7 @@
 
 #include "checkpoint.h"
 #include "progress.h"
+#include "resources.h"
 #include "task_registry.h"
 
 #include "atomic_file.h"
@@ -15,7 +16,6 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -70,14 +70,6 @@ std::string join_cells(const std::vector<std::string>& cells) {
   std::string line;
   for (size_t i = 0; i < cells.size(); ++i) line += (i ? "," : "") + cells[i];
   return line;
-}
-
-// The process's peak resident set so far (getrusage: kilobytes on Linux), in MiB: what a run
-// needed of the machine's memory, e.g. with and without --checkpoint-activations.
-double peak_resident_megabytes() {
-  struct rusage usage {};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_maxrss) / 1024.0;
 }
 
 double global_grad_norm(const std::vector<torch::Tensor>& parameters) {

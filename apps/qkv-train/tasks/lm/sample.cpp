@@ -6,6 +6,7 @@
 
 #include "checkpoint.h"
 #include "eval_mode.h"
+#include "resources.h"
 #include "tasks/tasks.h"
 
 #include <qkv/qkv.h>
@@ -192,6 +193,8 @@ nlohmann::json run_lm_generation(const RunConfig& config, const torch::Device& d
           {"tokens_per_s", static_cast<double>(ids.numel()) / std::max(seconds, 1e-9)},
           {"kv_cache", sampling.use_cache},
           {"context", trained.model->options.context()},
+          {"window", trained.model->options.window() ? nlohmann::json(*trained.model->options.window()) : nlohmann::json()},
+          {"peak_rss_mb", peak_resident_megabytes()},
           {"temperature", config.temperature},
           {"seed", config.seed}};
 }
