@@ -72,7 +72,7 @@ void KVCache::check_append(const char* caller, int64_t batch, int64_t new_positi
   TORCH_CHECK(batch == batch_size(), caller, ": the KVCache was made for a batch of ", batch_size(),
               " sequences, got a batch of ", batch, "; make a cache with make_cache(", batch, ", capacity)");
   TORCH_CHECK(dtype == this->dtype(), caller, ": the KVCache holds ", this->dtype(), ", got input of dtype ", dtype,
-              "; make the cache after converting the module with .to()");
+              "; make the cache after converting the module with .to(), and inside the same autocast scope");
   TORCH_CHECK(device == this->device(), caller, ": the KVCache is on ", this->device(), ", got input on ", device,
               "; make the cache after moving the module with .to()");
   TORCH_CHECK(rolling_ || new_positions <= capacity() - length_, caller, ": the KVCache holds ", length_, " of its ",

@@ -7,6 +7,7 @@
 
 #include "mask_algebra.h"
 #include "rope.h"
+#include "torch_compat.h"
 
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -20,6 +21,14 @@ namespace {
 
 int64_t kv_heads_of(const SelfAttentionOptions& options) {
   return options.num_kv_heads().value_or(options.num_heads());
+}
+
+// The dtype the projections compute in: the parameters', or autocast's where autocast is on for
+// their device and they are float32 (qkv::AutocastGuard, mixed precision).
+torch::ScalarType projection_dtype(const torch::Tensor& weight) {
+  const auto type = weight.device().type();
+  const bool autocast = (type == torch::kCPU || type == torch::kCUDA) && compat::autocast_enabled(type);
+  return autocast && weight.scalar_type() == torch::kFloat ? compat::autocast_dtype(type) : weight.scalar_type();
 }
 
 }  // namespace
@@ -269,8 +278,11 @@ KVCache SelfAttentionImpl::make_cache(int64_t batch, int64_t capacity) const {
   // cache of W slots serves any length. (capacity <= W: a plain cache, whose positions are all
   // within every window anyway.)
   const bool rolls = options.window() && *options.window() < capacity;
-  KVCache cache = rolls ? KVCache::rolling(batch, kv_heads_of(options), *options.window(), D, D, W_q->weight.options())
-                        : KVCache(batch, kv_heads_of(options), capacity, D, D, W_q->weight.options());
+  // In the dtype the keys will have: the parameters', or autocast's (mixed precision) where autocast
+  // is on for their device when the cache is made.
+  const auto storage = W_q->weight.options().dtype(projection_dtype(W_q->weight));
+  KVCache cache = rolls ? KVCache::rolling(batch, kv_heads_of(options), *options.window(), D, D, storage)
+                        : KVCache(batch, kv_heads_of(options), capacity, D, D, storage);
   if (options.rope()) {
     cache.rope_base_ = options.rope_base();
     if (!rolls) {  // positions 0 .. capacity - 1, computed once (a rolling cache's positions have no bound)
@@ -339,7 +351,7 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
   const int64_t B = x.size(0);
   const int64_t T = x.size(1);
   const int64_t L = cache.length();
-  cache.check_append("SelfAttention::forward_with_cache", B, T, x.scalar_type(), x.device());
+  cache.check_append("SelfAttention::forward_with_cache", B, T, projection_dtype(W_q->weight), x.device());
 
   auto q = split_heads(W_q(x), H);    // (B, H, T, D)
   auto k = split_heads(W_k(x), Hkv);  // (B, Hkv, T, D)

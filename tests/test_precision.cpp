@@ -43,6 +43,24 @@ TEST(AutocastGuard, SelfAttentionUnderAutocastIsCloseToFloat32) {
                                       qkv_test::tolerance_for(torch::kBFloat16, 64)));
 }
 
+// A cache made inside an autocast scope holds the keys in the autocast dtype; decoding through it
+// equals the full causal forward under the same autocast.
+TEST(AutocastGuard, CachedDecodingUnderAutocastEqualsTheFullForward) {
+  torch::manual_seed(3);
+  qkv::TransformerBlock block(qkv::TransformerBlockOptions(32, 4).num_kv_heads(2).rope(true).causal(true));
+  block->eval();
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({2, 12, 32});
+  const qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+  const auto full = block(x);
+  auto cache = block->make_cache(/*batch=*/2, /*capacity=*/12);
+  EXPECT_EQ(cache.dtype(), torch::kBFloat16);
+  std::vector<torch::Tensor> pieces{block->forward_with_cache(x.narrow(1, 0, 5), cache)};
+  for (int64_t t = 5; t < 12; ++t) pieces.push_back(block->forward_with_cache(x.narrow(1, t, 1), cache));
+  EXPECT_TRUE(qkv_test::tensors_close(torch::cat(pieces, 1).to(torch::kFloat), full.to(torch::kFloat),
+                                      qkv_test::tolerance_for(torch::kBFloat16, 32)));
+}
+
 TEST(AutocastGuard, UnsupportedCombinationsAreRefusedNamingThem) {
   EXPECT_THAT([] { qkv::AutocastGuard guard(torch::kCPU, torch::kFloat); },
               ::testing::ThrowsMessage<c10::Error>(HasSubstr("does not take Float")));

@@ -183,6 +183,18 @@ TEST(LanguageModel, AWindowedModelGeneratesPastItsContextWithRollingCaches) {
   fs::remove_all(out);
 }
 
+// bf16-mixed trains the language model (its evaluation samples with caches made under autocast)
+// and ends near the float32 run's loss.
+TEST(LanguageModel, Bf16MixedPrecisionTrainsNearTheFloat32Run) {
+  const std::string args = kSmallLm + "--steps 30 --eval-every 30 --dropout 0 --json ";
+  auto fp32 = train(args), mixed = train(args + "--precision bf16-mixed");
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
+  ASSERT_EQ(mixed.exit_code, 0) << mixed.output;
+  const auto expected = nlohmann::json::parse(fp32.output), actual = nlohmann::json::parse(mixed.output);
+  EXPECT_NEAR(actual["eval"]["val_loss"].get<double>(), expected["eval"]["val_loss"].get<double>(), 0.05);
+  EXPECT_EQ(actual["precision"], "bf16-mixed");
+}
+
 // --checkpoint-activations trains exactly as without (float64, dropout on: the recomputation
 // replays the dropout masks), step for step.
 TEST(LanguageModel, CheckpointedActivationsTrainExactlyAsThePlainModel) {
