@@ -209,6 +209,19 @@ TEST(LanguageModel, CheckpointedActivationsTrainExactlyAsThePlainModel) {
   fs::remove_all(plain), fs::remove_all(checkpointed);
 }
 
+// Checkpointed activations and bf16-mixed precision with two data-parallel ranks: the replicas
+// stay identical.
+TEST(LanguageModel, CheckpointingAndMixedPrecisionWithDataParallelRanks) {
+  const auto job = fresh_dir("lm_ddp_checkpoint");
+  auto run = qkv_test::run_command("env -u RANK -u WORLD_SIZE " + std::string(QKV_TRAIN_PATH) + " " + kSmallLm +
+                                       "--steps 4 --window 8 --checkpoint-activations --precision bf16-mixed --nproc 2 "
+                                       "--save-replicas --out " + job.string(),
+                                   /*merge_stderr=*/true);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(max_weight_difference(job / "replica-0.pt", job / "replica-1.pt"), 0.0) << "replicas differ";
+  fs::remove_all(job);
+}
+
 // --generate --resume DIR needs DIR only: the text it was trained on may be gone, and a model.pt
 // left there by another run is not paired with the checkpoint's options (the checkpoint's own
 // weights, options and vocabulary are used).
