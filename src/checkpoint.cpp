@@ -11,8 +11,6 @@
 #include <ATen/Context.h>
 #include <torch/torch.h>
 
-#include <optional>
-
 namespace qkv {
 namespace {
 

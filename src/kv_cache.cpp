@@ -29,7 +29,6 @@ KVCache::KVCache(int64_t batch, int64_t kv_heads, int64_t capacity, int64_t head
 KVCache KVCache::rolling(int64_t batch, int64_t kv_heads, int64_t window, int64_t head_dim, int64_t value_dim,
                          const torch::TensorOptions& options) {
   KVCache cache(batch, kv_heads, window, head_dim, value_dim, options);
-  cache.rolling_ = true;
   cache.window_ = window;
   return cache;
 }
@@ -38,7 +37,6 @@ KVCache KVCache::clone() const {
   KVCache copy;
   copy.keys_ = keys_.clone(), copy.values_ = values_.clone();
   copy.length_ = length_;
-  copy.rolling_ = rolling_;
   copy.rope_base_ = rope_base_;
   copy.window_ = window_;
   copy.rope_cos_ = rope_cos_, copy.rope_sin_ = rope_sin_;  // never written after make_cache: shared
@@ -48,7 +46,7 @@ KVCache KVCache::clone() const {
 void KVCache::truncate(int64_t length) {
   TORCH_CHECK(length >= 0 && length <= length_, "KVCache::truncate: expected a length in [0, ", length_,
               "] (the positions seen), got ", length);
-  TORCH_CHECK(!rolling_ || length_ <= capacity() || length == length_,
+  TORCH_CHECK(!rolling() || length_ <= capacity() || length == length_,
               "KVCache::truncate: this rolling cache has seen ", length_, " positions and holds only the last ",
               capacity(), "; the positions before them, which position ", length,
               "'s window would need, are overwritten (reset() it and decode again)");
@@ -75,7 +73,7 @@ void KVCache::check_append(const char* caller, int64_t batch, int64_t new_positi
               "; make the cache after converting the module with .to(), and inside the same autocast scope");
   TORCH_CHECK(device == this->device(), caller, ": the KVCache is on ", this->device(), ", got input on ", device,
               "; make the cache after moving the module with .to()");
-  TORCH_CHECK(rolling_ || new_positions <= capacity() - length_, caller, ": the KVCache holds ", length_, " of its ",
+  TORCH_CHECK(rolling() || new_positions <= capacity() - length_, caller, ": the KVCache holds ", length_, " of its ",
               capacity(), " positions; ", new_positions,
               " more would overflow it (reset() it, or make a larger one with "
               "make_cache(batch, capacity))");

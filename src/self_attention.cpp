@@ -339,7 +339,7 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
               ", this module rotates ",
               module_rope ? "with rope_base " + std::to_string(*module_rope) : std::string("none (rope is off)"),
               "; make the cache with this module's make_cache");
-  TORCH_CHECK(cache.window_ == (cache.rolling() ? options.window() : cache.window_),
+  TORCH_CHECK(!cache.rolling() || cache.window_ == options.window(),
               "SelfAttention::forward_with_cache: the KVCache rolls over a window of ", cache.window_.value_or(0),
               " positions, this module's window is ",
               options.window() ? std::to_string(*options.window()) : std::string("unset (full attention)"),

@@ -58,19 +58,42 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const Attent
               "TransformerBlock: expected x of shape (B, N, ", options.d_model(), ") or (N, ", options.d_model(),
               "), got ", x.defined() ? x.sizes() : c10::IntArrayRef{});
   if (!options.checkpoint()) return plain_forward(x, mask);
-  // Checkpointed: x and a floating attn_mask (a learned bias) are the inputs whose gradients
-  // flow; the other mask parts ride along in the function. The function holds the block (a
-  // shared pointer where it is owned by one, as TORCH_MODULE's holder does) until the backward.
-  std::vector<torch::Tensor> inputs{x};
-  if (mask.attn_mask.defined() && mask.attn_mask.is_floating_point()) inputs.push_back(mask.attn_mask);
+  // Checkpointed: the function holds the block (a shared pointer where it is owned by one, as
+  // TORCH_MODULE's holder does) until the backward.
   auto owner = std::dynamic_pointer_cast<TransformerBlockImpl>(weak_from_this().lock());
   auto* block = this;
   auto function = [owner, block, mask](const std::vector<torch::Tensor>& in) {
-    auto replayed = mask;
-    if (in.size() > 1) replayed.attn_mask = in[1];
-    return (owner ? owner.get() : block)->checkpointed_branches(in[0], replayed);
+    return (owner ? owner.get() : block)->checkpointed_branches(in[0], with_learned_mask(mask, in));
   };
-  return checkpoint(function, inputs, parameters());
+  return checkpoint(function, checkpoint_inputs(x, mask), parameters());
+}
+
+namespace {
+
+// The parameters of some of a block's layers, for a checkpoint of the branch that uses them.
+std::vector<torch::Tensor> parameters_of(std::initializer_list<const torch::nn::Module*> layers) {
+  std::vector<torch::Tensor> parameters;
+  for (const auto* layer : layers) {
+    for (const auto& p : layer->parameters()) parameters.push_back(p);
+  }
+  return parameters;
+}
+
+}  // namespace
+
+// The inputs of a checkpoint whose gradients flow: x, and a floating attn_mask (a learned bias);
+// the other mask parts ride along in the function.
+std::vector<torch::Tensor> TransformerBlockImpl::checkpoint_inputs(const torch::Tensor& x, const AttentionMask& mask) {
+  std::vector<torch::Tensor> inputs{x};
+  if (mask.attn_mask.defined() && mask.attn_mask.is_floating_point()) inputs.push_back(mask.attn_mask);
+  return inputs;
+}
+
+// `mask` with the learned attn_mask the checkpoint passes back in (the second input, if any).
+AttentionMask TransformerBlockImpl::with_learned_mask(const AttentionMask& mask, const std::vector<torch::Tensor>& in) {
+  auto replayed = mask;
+  if (in.size() > 1) replayed.attn_mask = in[1];
+  return replayed;
 }
 
 // The block's computation with each residual branch checkpointed once more. In the forward (no
@@ -81,27 +104,25 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const Attent
 // 3.31 GB plain, 1.36 GB checkpointing whole blocks, 1.19 GB with the branches too, for one more
 // forward of each branch (6972, 5035 and 4225 tokens/s).
 torch::Tensor TransformerBlockImpl::checkpointed_branches(const torch::Tensor& x, const AttentionMask& mask) {
-  std::vector<torch::Tensor> attention_inputs{x};
-  if (mask.attn_mask.defined() && mask.attn_mask.is_floating_point()) attention_inputs.push_back(mask.attn_mask);
-  auto attention_branch = [this, mask](const std::vector<torch::Tensor>& in) {
-    auto replayed = mask;
-    if (in.size() > 1) replayed.attn_mask = in[1];
-    return residual_dropout(attn(ln_1(in[0]), /*context=*/torch::Tensor(), replayed));
+  auto attention = [this, mask](const std::vector<torch::Tensor>& in) {
+    return attention_branch(in[0], with_learned_mask(mask, in));
   };
-  auto attention_parameters = ln_1->parameters();
-  for (const auto& p : attn->parameters()) attention_parameters.push_back(p);
-  const auto h = x + checkpoint(attention_branch, attention_inputs, attention_parameters);  // (B, N, E)
-  auto mlp_branch = [this](const std::vector<torch::Tensor>& in) { return residual_dropout(mlp(ln_2(in[0]))); };
-  auto mlp_parameters = ln_2->parameters();
-  for (const auto* layer : {&mlp_fc, &mlp_proj}) {
-    for (const auto& p : (*layer)->parameters()) mlp_parameters.push_back(p);
-  }
-  return h + checkpoint(mlp_branch, {h}, mlp_parameters);  // (B, N, E)
+  const auto h = x + checkpoint(attention, checkpoint_inputs(x, mask), parameters_of({ln_1.get(), attn.get()}));
+  auto mlp = [this](const std::vector<torch::Tensor>& in) { return mlp_branch(in[0]); };
+  return h + checkpoint(mlp, {h}, parameters_of({ln_2.get(), mlp_fc.get(), mlp_proj.get()}));  // (B, N, E)
+}
+
+torch::Tensor TransformerBlockImpl::attention_branch(const torch::Tensor& x, const AttentionMask& mask) {
+  return residual_dropout(attn(ln_1(x), /*context=*/torch::Tensor(), mask));  // (B, N, E)
+}
+
+torch::Tensor TransformerBlockImpl::mlp_branch(const torch::Tensor& h) {
+  return residual_dropout(mlp(ln_2(h)));  // (B, N, E)
 }
 
 torch::Tensor TransformerBlockImpl::plain_forward(const torch::Tensor& x, const AttentionMask& mask) {
-  auto h = x + residual_dropout(attn(ln_1(x), /*context=*/torch::Tensor(), mask));  // (B, N, E)
-  return h + residual_dropout(mlp(ln_2(h)));                                        // (B, N, E)
+  const auto h = x + attention_branch(x, mask);  // (B, N, E)
+  return h + mlp_branch(h);                       // (B, N, E)
 }
 
 KVCache TransformerBlockImpl::make_cache(int64_t batch, int64_t capacity) const {
@@ -116,7 +137,7 @@ torch::Tensor TransformerBlockImpl::forward_with_cache(const torch::Tensor& x, K
               "TransformerBlock::forward_with_cache: the block is in training mode with dropout ", options.dropout(),
               "; cached decoding is inference, so call eval() first");
   auto h = x + residual_dropout(attn->forward_with_cache(ln_1(x), cache));  // (B, T, E)
-  return h + residual_dropout(mlp(ln_2(h)));                                // (B, T, E)
+  return h + mlp_branch(h);                                                 // (B, T, E)
 }
 
 }  // namespace qkv

@@ -54,7 +54,7 @@ class KVCache {
   /// Slots: the positions a plain cache can hold, the window of a rolling one. Fixed at creation.
   int64_t capacity() const { return keys_.size(2); }
   /// Whether the cache rolls (keeps the last capacity() positions) instead of refusing more.
-  bool rolling() const { return rolling_; }
+  bool rolling() const { return window_.has_value(); }
   /// Positions held now: the last held() of the length() seen.
   int64_t held() const { return std::min(length_, capacity()); }
   int64_t batch_size() const { return keys_.size(0); }
@@ -102,11 +102,10 @@ class KVCache {
   torch::Tensor keys_;    // (B, Hkv, capacity, D)
   torch::Tensor values_;  // (B, Hkv, capacity, Dv)
   int64_t length_ = 0;
-  bool rolling_ = false;
   // The rotary base of the module that made the cache (unset: a module without RoPE): keys
   // rotated with one base are wrong for a module with another, so a mismatch is refused.
   c10::optional<double> rope_base_;
-  // The window of the module that made a rolling cache (unset for a plain one).
+  // The window of the module that made a rolling cache; unset: a plain cache.
   c10::optional<int64_t> window_;
   // A RoPE module's cos θ / sin θ for positions [0, capacity), (capacity, D/2) each, computed
   // once by make_cache instead of at every decoded position; undefined without RoPE, and for a

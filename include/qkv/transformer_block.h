@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <ostream>
+#include <vector>
 
 namespace qkv {
 
@@ -100,6 +101,11 @@ class TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
   torch::Tensor plain_forward(const torch::Tensor& x, const AttentionMask& mask);
   /// The same with each residual branch checkpointed: what the checkpointed block recomputes.
   torch::Tensor checkpointed_branches(const torch::Tensor& x, const AttentionMask& mask);
+  /// The residual branches: Dropout(Attention(LayerNorm(x))) and Dropout(MLP(LayerNorm(h))).
+  torch::Tensor attention_branch(const torch::Tensor& x, const AttentionMask& mask);
+  torch::Tensor mlp_branch(const torch::Tensor& h);
+  static std::vector<torch::Tensor> checkpoint_inputs(const torch::Tensor& x, const AttentionMask& mask);
+  static AttentionMask with_learned_mask(const AttentionMask& mask, const std::vector<torch::Tensor>& in);
 };
 
 TORCH_MODULE(TransformerBlock);

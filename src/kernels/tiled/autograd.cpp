@@ -178,12 +178,12 @@ class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFu
                                                torch::autograd::tensor_list grad_outputs) {
     const auto state = SavedState::load(ctx);
     const auto& o = state.operands;
-    const bool mask_gradient = ctx->needs_input_grad(kMask) && o.mask.is_floating_point();
-    torch::autograd::tensor_list grads(kInputs);
     if (torch::GradMode::is_enabled()) {
       // create_graph: the gradients must themselves be differentiable.
       return second_order_ready_gradients(ctx, state, grad_outputs[0]);
     }
+    const bool mask_gradient = ctx->needs_input_grad(kMask) && o.mask.is_floating_point();
+    torch::autograd::tensor_list grads(kInputs);
     auto computed = run_backward(o, state.output, state.lse, grad_outputs[0], state.settings, mask_gradient);
     grads[kQuery] = computed.q, grads[kKey] = computed.k, grads[kValue] = computed.v;
     if (mask_gradient) grads[kMask] = computed.mask;
