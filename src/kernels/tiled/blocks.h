@@ -1,7 +1,13 @@
 // Block products of the tiled kernel and what they need around them. Private to qkv.
 #pragma once
 
+#include "kernels/tiled/packed_products.h"
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
 #include <cstddef>
+#include <utility>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -32,6 +38,55 @@ class SingleThreadedBlas {
 
  private:
   int saved_ = 1;
+};
+
+/// How float32 and bfloat16 blocks multiply on this CPU: the active instruction set's float32
+/// micro-kernel, or its bfloat16 one for bfloat16 inputs where the CPU has AVX512_BF16.
+template <typename scalar_t>
+ProductKind product_kind() {
+  const ProductIsa isa = active_isa();
+  return {isa, std::is_same_v<scalar_t, c10::BFloat16> && isa == ProductIsa::Avx512Bf16};
+}
+
+/// The right operand B (k × n) of the kernel's block products C = alpha · A · B + beta · C, prepared
+/// once and multiplied by many A: packed panels for float32 and bfloat16 (packed_products.h);
+/// float64, the precision the tests compare against, keeps OpenBLAS's dgemm and a plain view.
+template <typename scalar_t>
+class RightOperand {
+ public:
+  void prepare(Strided<scalar_t> b, int64_t k, int64_t n) { packed_.pack(b, k, n, product_kind<scalar_t>()); }
+  template <typename a_t>
+  void multiply_into(Strided<a_t> a, int64_t m, float alpha, float beta, float* c, int64_t ldc) const {
+    multiply(a, m, packed_, alpha, beta, c, ldc);
+  }
+
+ private:
+  PackedRight packed_;
+};
+
+template <>
+class RightOperand<double> {
+ public:
+  void prepare(Strided<double> b, int64_t k, int64_t n) { b_ = b, k_ = k, n_ = n; }
+  void multiply_into(Strided<double> a, int64_t m, double alpha, double beta, double* c, int64_t ldc) const {
+    const auto [a_transposed, lda] = blas_layout(a, m, k_);
+    const auto [b_transposed, ldb] = blas_layout(b_, k_, n_);
+    gemm(a_transposed, b_transposed, m, n_, k_, alpha, a.data, lda, b_.data, ldb, beta, c, ldc);
+  }
+
+ private:
+  // Row-major BLAS takes an operand as rows (unit column stride, rows at least `cols` apart) or
+  // as the transpose of such; a single row or column fits either, with its extent as the leading
+  // dimension (BLAS checks it even when it never steps along it).
+  static std::pair<bool, int64_t> blas_layout(Strided<double> x, int64_t rows, int64_t cols) {
+    if (x.col_stride == 1 && (rows == 1 || x.row_stride >= cols)) {
+      return {false, std::max<int64_t>({x.row_stride, cols, 1})};
+    }
+    return {true, std::max<int64_t>({x.col_stride, rows, 1})};
+  }
+
+  Strided<double> b_;
+  int64_t k_ = 0, n_ = 0;
 };
 
 /// `rows` rows of `width` elements, `stride` apart, in the accumulation type: a pointer into the

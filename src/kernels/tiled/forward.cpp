@@ -2,7 +2,8 @@
 // query rows of one head and streams the key/value blocks past it, keeping a running row maximum m
 // and sum l (the online softmax), so that the (N, S) scores never exist beyond one block; it saves
 // the rows' log-sum-exp L = m + log l for the backward. Tasks run under at::parallel_for with
-// per-thread scratch. bfloat16 blocks are converted to float32 and accumulate in float32.
+// per-thread scratch. The block products run on qkv's micro-kernels (packed_products.h); bfloat16
+// blocks multiply in bfloat16 where the CPU has AVX512_BF16, else as float32, and accumulate in float32.
 //
 // B = batch, H = query heads, N = query rows, S = keys, D = head width, Dv = value width.
 #include "kernels/tiled/blocks.h"
@@ -14,40 +15,86 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace qkv::kernels::tiled {
+
+namespace {
+
+// The packed key and value blocks of one key/value head, kept by a thread from task to task: its
+// tasks are consecutive row blocks (and, with GQA, heads) of mostly the same key/value head, so
+// each block is packed about once per thread and head rather than once per row block.
+template <typename scalar_t>
+class PackedHead {
+ public:
+  // Forgets the blocks when (b, kv_head) changes.
+  void select(int64_t b, int64_t kv_head, int64_t blocks) {
+    if (b == b_ && kv_head == kv_head_) return;
+    b_ = b, kv_head_ = kv_head;
+    if (static_cast<int64_t>(keys_.size()) < blocks) keys_.resize(blocks), values_.resize(blocks);
+    packed_.assign(static_cast<size_t>(blocks), false);
+  }
+  // Kᵀ (D × cols) and V (cols × Dv) of key block `block`, packed on first use.
+  template <typename acc_t>
+  std::pair<const RightOperand<scalar_t>*, const RightOperand<scalar_t>*> block(
+      const Problem<acc_t>& p, const Matrix4<scalar_t>& k, const Matrix4<scalar_t>& v, int64_t block, int64_t j0,
+      int64_t cols) {
+    if (!packed_[block]) {
+      keys_[block].prepare({k.rows(b_, kv_head_, j0), 1, k.stride_row}, p.D, cols);
+      values_[block].prepare({v.rows(b_, kv_head_, j0), v.stride_row, 1}, cols, p.Dv);
+      packed_[block] = true;
+    }
+    return {&keys_[block], &values_[block]};
+  }
+
+ private:
+  int64_t b_ = -1, kv_head_ = -1;
+  std::vector<RightOperand<scalar_t>> keys_, values_;
+  std::vector<bool> packed_;
+};
+
+}  // namespace
 
 template <typename scalar_t, typename acc_t>
 void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
                     const Matrix4<scalar_t>& v, scalar_t* out, acc_t* lse) {
   const int64_t row_blocks = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t key_blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
   const int64_t tasks = p.B * p.H * row_blocks;
   at::parallel_for(0, tasks, tasks_per_chunk(p, std::min(p.N, kRowsPerBlock)), [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas single_threaded;
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
     std::vector<acc_t> scores(kRowsPerBlock * kKeysPerBlock), accumulator, row_max(kRowsPerBlock),
-        row_sum(kRowsPerBlock), q_scratch, k_scratch, v_scratch;
+        row_sum(kRowsPerBlock);
     std::vector<uint8_t> keep(kKeysPerBlock);
     accumulator.resize(static_cast<size_t>(kRowsPerBlock * p.Dv));
+    PackedHead<scalar_t> head;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % row_blocks, bh = task / row_blocks, h = bh % p.H, b = bh / p.H;
       const int64_t kv_head = h / p.groups();
       const int64_t i0 = block * kRowsPerBlock, rows = std::min(kRowsPerBlock, p.N - i0);
-      int64_t ldq = 0;
-      const acc_t* q_rows = rows_as<scalar_t, acc_t>(q.rows(b, h, i0), q.stride_row, rows, p.D, q_scratch, ldq);
+      const Strided<scalar_t> q_rows{q.rows(b, h, i0), q.stride_row, 1};
+      head.select(b, kv_head, key_blocks);
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
       std::fill(accumulator.begin(), accumulator.end(), acc_t(0));
       const int64_t key_end = p.key_limit(b, i0 + rows);
       for (int64_t j0 = p.key_begin(i0); j0 < key_end; j0 += kKeysPerBlock) {  // a window skips older keys
         const int64_t cols = std::min(kKeysPerBlock, key_end - j0);
-        int64_t ldk = 0, ldv = 0;
-        const acc_t* k_rows = rows_as<scalar_t, acc_t>(k.rows(b, kv_head, j0), k.stride_row, cols, p.D, k_scratch, ldk);
-        const acc_t* v_rows =
-            rows_as<scalar_t, acc_t>(v.rows(b, kv_head, j0), v.stride_row, cols, p.Dv, v_scratch, ldv);
+        // Whole blocks are packed once and reused; a causal or length-limited last block (narrower
+        // for some row blocks than for others) and a window's unaligned blocks are packed here.
+        const bool full = j0 % kKeysPerBlock == 0 && cols == std::min(kKeysPerBlock, p.S - j0);
+        RightOperand<scalar_t> narrow_keys, narrow_values;
+        const RightOperand<scalar_t>*keys = &narrow_keys, *values = &narrow_values;
+        if (full) {
+          std::tie(keys, values) = head.block(p, k, v, j0 / kKeysPerBlock, j0, cols);
+        } else {
+          narrow_keys.prepare({k.rows(b, kv_head, j0), 1, k.stride_row}, p.D, cols);
+          narrow_values.prepare({v.rows(b, kv_head, j0), v.stride_row, 1}, cols, p.Dv);
+        }
         // Steps 1 and 2: scaled scores of the block.
-        gemm(false, true, rows, cols, p.D, p.scale, q_rows, ldq, k_rows, ldk, acc_t(0), scores.data(), cols);
+        keys->multiply_into(q_rows, rows, p.scale, acc_t(0), scores.data(), cols);
         p.apply_masks(b, h, i0, rows, j0, cols, scores.data(), cols);
         // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
         for (int64_t r = 0; r < rows; ++r) {
@@ -69,8 +116,8 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           }
         }
         // Step 4: the block's weighted values.
-        gemm(false, false, rows, p.Dv, cols, acc_t(1), scores.data(), cols, v_rows, ldv, acc_t(1),
-                    accumulator.data(), p.Dv);
+        values->multiply_into(Strided<acc_t>{scores.data(), cols, 1}, rows, acc_t(1), acc_t(1), accumulator.data(),
+                              p.Dv);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;

@@ -2,11 +2,17 @@
 // keeps the comparisons below as branches and does not vectorise the loops.
 #include "kernels/tiled/vector_math.h"
 
+#include "kernels/tiled/cpu_features.h"
+
 #include <cmath>
 #include <cstring>
 #include <limits>
 
-#define QKV_VECTORISED __attribute__((target_clones("avx2,fma", "default")))
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define QKV_VECTORISED __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 
 namespace qkv::kernels {
 
@@ -55,10 +61,69 @@ double exp_shifted_sum(double* x, int64_t n, double shift) {
   return sum;
 }
 
-QKV_VECTORISED float max_of(const float* __restrict x, int64_t n) {
+namespace {
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) float max_of_avx512(const float* x, int64_t n) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best = lowest;
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t left = n - i;
+    const __mmask16 lanes = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+    const __m512 v = _mm512_mask_loadu_ps(lowest, lanes, x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_maskz_max_ps(0xFFFF, best, v);  // _mm512_max_ps trips GCC 12's -Wmaybe-uninitialized
+  }
+  if (nan != 0) return std::numeric_limits<float>::quiet_NaN();
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, best);
+  float result = lanes[0];
+  for (float lane : lanes) result = lane > result ? lane : result;
+  return result;
+}
+
+__attribute__((target("avx2"))) float max_of_avx2(const float* x, int64_t n) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    best = _mm256_max_ps(best, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, best);
+  float result = -std::numeric_limits<float>::infinity();
+  for (float lane : lanes) result = nan_max(result, lane);
+  for (; i < n; ++i) result = nan_max(result, x[i]);
+  return _mm256_movemask_ps(nan) != 0 ? std::numeric_limits<float>::quiet_NaN() : result;
+}
+#endif
+
+float max_of_portable(const float* x, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) best = nan_max(best, x[i]);
   return best;
+}
+
+}  // namespace
+
+float max_of(const float* x, int64_t n) {
+  // A maximum does not vectorise by itself: a NaN must win, which plain max instructions do not
+  // promise, so the lanes carry a NaN flag beside their maxima.
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    switch (tiled::detected_isa()) {
+      case tiled::ProductIsa::Avx512:
+      case tiled::ProductIsa::Avx512Bf16: return &max_of_avx512;
+      case tiled::ProductIsa::Avx2: return &max_of_avx2;
+      default: break;
+    }
+#endif
+    return &max_of_portable;
+  }();
+  return implementation(x, n);
 }
 
 double max_of(const double* x, int64_t n) {

@@ -1,5 +1,5 @@
-// Row operations of the tiled kernel, vectorised: the compiler emits AVX2/FMA code beside the
-// baseline and the CPU picks one at load time (GCC's target_clones). Private to qkv.
+// Row operations of the tiled kernel, vectorised: the compiler emits AVX-512 and AVX2/FMA code
+// beside the baseline and the CPU picks one at load time (GCC's target_clones). Private to qkv.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,121 @@
+#include "kernels/tiled/cpu_features.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define QKV_X86 1
+#endif
+
+namespace qkv::kernels::tiled {
+namespace {
+
+struct Flags {
+  bool avx2 = false, fma = false, avx512f = false, avx512bw = false, avx512vl = false, avx512_bf16 = false,
+       amx_bf16 = false, amx_tile = false;
+};
+
+#if defined(QKV_X86)
+// XCR0: which register states the operating system saves on a context switch. Without its say-so
+// a CPU's AVX or AVX-512 registers must not be used, whatever cpuid reports.
+uint64_t os_saved_state() {
+  uint32_t eax = 0, edx = 0;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+#endif
+
+Flags read_flags() {
+  Flags f;
+#if defined(QKV_X86)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return f;
+  const bool osxsave = (ecx >> 27) & 1;
+  const bool fma = (ecx >> 12) & 1;
+  if (!osxsave) return f;
+  const uint64_t xcr0 = os_saved_state();
+  const bool ymm_saved = (xcr0 & 0x6) == 0x6;     // SSE and AVX state
+  const bool zmm_saved = (xcr0 & 0xE6) == 0xE6;   // and opmask, upper 256 bits, 16 more registers
+  const bool tiles_saved = (xcr0 & 0x60000) == 0x60000;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return f;
+  f.avx2 = ymm_saved && ((ebx >> 5) & 1);
+  f.fma = ymm_saved && fma;
+  f.avx512f = zmm_saved && ((ebx >> 16) & 1);
+  f.avx512bw = zmm_saved && ((ebx >> 30) & 1);
+  f.avx512vl = zmm_saved && ((ebx >> 31) & 1);
+  f.amx_bf16 = tiles_saved && ((edx >> 22) & 1);
+  f.amx_tile = tiles_saved && ((edx >> 24) & 1);
+  unsigned leaf7_max = eax;
+  if (leaf7_max >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0) {
+    f.avx512_bf16 = zmm_saved && ((eax >> 5) & 1);
+  }
+#endif
+  return f;
+}
+
+const Flags& flags() {
+  static const Flags cached = read_flags();
+  return cached;
+}
+
+ProductIsa parse_isa(std::string_view name) {
+  for (auto isa : {ProductIsa::Portable, ProductIsa::Avx2, ProductIsa::Avx512, ProductIsa::Avx512Bf16}) {
+    if (name == isa_name(isa)) return isa;
+  }
+  TORCH_CHECK(false, "QKV_TILED_ISA: expected one of portable, avx2, avx512, avx512_bf16, got '", name, "'");
+}
+
+}  // namespace
+
+ProductIsa detected_isa() {
+  const Flags& f = flags();
+  if (!(f.avx2 && f.fma)) return ProductIsa::Portable;
+  if (!(f.avx512f && f.avx512bw && f.avx512vl)) return ProductIsa::Avx2;
+  return f.avx512_bf16 ? ProductIsa::Avx512Bf16 : ProductIsa::Avx512;
+}
+
+ProductIsa active_isa() {
+  static const ProductIsa chosen = [] {
+    const ProductIsa detected = detected_isa();
+    const char* requested = std::getenv("QKV_TILED_ISA");
+    if (requested == nullptr || *requested == '\0') return detected;
+    const ProductIsa wanted = parse_isa(requested);
+    return static_cast<int>(wanted) < static_cast<int>(detected) ? wanted : detected;
+  }();
+  return chosen;
+}
+
+const char* isa_name(ProductIsa isa) {
+  switch (isa) {
+    case ProductIsa::Portable: return "portable";
+    case ProductIsa::Avx2: return "avx2";
+    case ProductIsa::Avx512: return "avx512";
+    case ProductIsa::Avx512Bf16: return "avx512_bf16";
+  }
+  return "unknown";
+}
+
+std::string cpu_flags() {
+  const Flags& f = flags();
+  std::string out;
+  auto add = [&](bool present, const char* name) {
+    if (!present) return;
+    if (!out.empty()) out += ' ';
+    out += name;
+  };
+  add(f.avx2, "avx2");
+  add(f.fma, "fma");
+  add(f.avx512f, "avx512f");
+  add(f.avx512bw, "avx512bw");
+  add(f.avx512vl, "avx512vl");
+  add(f.avx512_bf16, "avx512_bf16");
+  add(f.amx_tile, "amx_tile");
+  add(f.amx_bf16, "amx_bf16");
+  return out;
+}
+
+}  // namespace qkv::kernels::tiled

@@ -1,0 +1,34 @@
+// Which instruction set the tiled kernel's block products run on: asked of the CPU (cpuid) and of
+// the operating system (xgetbv: does it save the wide registers?) once per process, at run time,
+// so that one build runs everywhere. Private to qkv.
+#pragma once
+
+#include <string>
+
+namespace qkv::kernels::tiled {
+
+/// The block products' instruction sets, each a superset of the one before.
+enum class ProductIsa {
+  Portable,    // plain C++ (the compiler's baseline vectors): every x86-64 and every other CPU
+  Avx2,        // AVX2 + FMA, 8 floats a register
+  Avx512,      // AVX-512 F/BW/VL, 16 floats a register
+  Avx512Bf16,  // and AVX512_BF16's vdpbf16ps: bfloat16 pairs multiplied, summed in float32
+};
+
+/// What this CPU and operating system can run.
+ProductIsa detected_isa();
+
+/// What the kernel uses: detected_isa(), lowered by the environment variable QKV_TILED_ISA
+/// (portable, avx2, avx512, avx512_bf16) when set, so that tests and benchmarks can run the
+/// narrower paths on a wide CPU. A value naming more than the CPU has is capped at what it has;
+/// an unknown value is an error naming the accepted ones. Read once.
+ProductIsa active_isa();
+
+/// "portable", "avx2", "avx512", "avx512_bf16".
+const char* isa_name(ProductIsa isa);
+
+/// The CPU's flags that matter to the kernel, as /proc/cpuinfo names them, space-separated
+/// (e.g. "avx2 fma avx512f avx512bw avx512vl avx512_bf16"; amx_bf16 where present: reported, not used).
+std::string cpu_flags();
+
+}  // namespace qkv::kernels::tiled

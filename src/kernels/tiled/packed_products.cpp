@@ -1,0 +1,309 @@
+// Each instruction set's micro-kernel is a function template over MR (the rows of its tile, so
+// that the edge rows of a block run the same code with fewer accumulators), compiled for that
+// instruction set by a target attribute: the file needs no special flags and the CPU decides at
+// run time which of them may run (cpu_features.cpp).
+#include "kernels/tiled/packed_products.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define QKV_X86_64 1
+#define QKV_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define QKV_TARGET_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl")))
+#define QKV_TARGET_AVX512_BF16 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
+
+namespace qkv::kernels::tiled {
+namespace {
+
+constexpr int64_t kBf16PanelWidth = 32;  // columns of a bfloat16 panel: two registers of 16 pairs
+
+int64_t float_panel_width(ProductIsa isa) {
+  return static_cast<int>(isa) >= static_cast<int>(ProductIsa::Avx512) ? 32 : 16;
+}
+
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }  // rounds to nearest even
+inline uint16_t bf16_bits(c10::BFloat16 x) { return x.x; }
+
+// ---- The tiles: MR rows × NR columns of C, accumulated over k ------------------------------------
+// Arguments: k; A's first row, its row and column strides; the B panel; the valid columns
+// (≤ NR: the last panel is padded); alpha, beta; C's first element and row stride.
+
+template <int MR>
+struct PortableTile {
+  static constexpr int NR = 16;
+  static void run(int64_t k, const float* a, int64_t ars, int64_t acs, const float* panel, int64_t cols, float alpha,
+                  float beta, float* c, int64_t ldc) {
+    float acc[MR][NR] = {};
+    for (int64_t p = 0; p < k; ++p) {
+      const float* b = panel + p * NR;
+      for (int r = 0; r < MR; ++r) {
+        const float x = a[r * ars + p * acs];
+        for (int j = 0; j < NR; ++j) acc[r][j] += x * b[j];
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      float* row = c + r * ldc;
+      for (int64_t j = 0; j < cols; ++j) row[j] = alpha * acc[r][j] + (beta == 0.0f ? 0.0f : beta * row[j]);
+    }
+  }
+};
+
+#if defined(QKV_X86_64)
+template <int MR>
+struct Avx2Tile {
+  static constexpr int NR = 16;
+  QKV_TARGET_AVX2 static void run(int64_t k, const float* a, int64_t ars, int64_t acs, const float* panel,
+                                  int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
+    __m256 acc[MR][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < k; ++p) {
+      const __m256 b0 = _mm256_loadu_ps(panel + p * NR), b1 = _mm256_loadu_ps(panel + p * NR + 8);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m256 x = _mm256_broadcast_ss(a + r * ars + p * acs);
+        acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+      }
+    }
+    const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      float* row = c + r * ldc;
+      __m256 v0 = _mm256_mul_ps(acc[r][0], va), v1 = _mm256_mul_ps(acc[r][1], va);
+      if (cols == NR) {
+        if (beta != 0.0f) {
+          v0 = _mm256_fmadd_ps(_mm256_loadu_ps(row), vb, v0);
+          v1 = _mm256_fmadd_ps(_mm256_loadu_ps(row + 8), vb, v1);
+        }
+        _mm256_storeu_ps(row, v0);
+        _mm256_storeu_ps(row + 8, v1);
+      } else {
+        float tile[NR];
+        _mm256_storeu_ps(tile, v0);
+        _mm256_storeu_ps(tile + 8, v1);
+        for (int64_t j = 0; j < cols; ++j) row[j] = tile[j] + (beta == 0.0f ? 0.0f : beta * row[j]);
+      }
+    }
+  }
+};
+
+// The valid lanes of a 16-lane half of a 32-column tile.
+QKV_TARGET_AVX512 inline __mmask16 lanes(int64_t cols, int half) {
+  const int64_t n = std::clamp<int64_t>(cols - 16 * half, 0, 16);
+  return static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
+}
+
+// alpha · acc + beta · C into C's valid lanes; beta = 0 reads nothing.
+template <int MR>
+QKV_TARGET_AVX512 inline void store_tile(const __m512 (&acc)[MR][2], int64_t cols, float alpha, float beta, float* c,
+                                         int64_t ldc) {
+  const __mmask16 m0 = lanes(cols, 0), m1 = lanes(cols, 1);
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    float* row = c + r * ldc;
+    __m512 v0 = _mm512_mul_ps(acc[r][0], va), v1 = _mm512_mul_ps(acc[r][1], va);
+    if (beta != 0.0f) {
+      v0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, row), vb, v0);
+      v1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, row + 16), vb, v1);
+    }
+    _mm512_mask_storeu_ps(row, m0, v0);
+    _mm512_mask_storeu_ps(row + 16, m1, v1);
+  }
+}
+
+template <int MR>
+struct Avx512Tile {
+  static constexpr int NR = 32;
+  QKV_TARGET_AVX512 static void run(int64_t k, const float* a, int64_t ars, int64_t acs, const float* panel,
+                                    int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
+    __m512 acc[MR][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k; ++p) {
+      const __m512 b0 = _mm512_loadu_ps(panel + p * NR), b1 = _mm512_loadu_ps(panel + p * NR + 16);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m512 x = _mm512_set1_ps(a[r * ars + p * acs]);
+        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      }
+    }
+    store_tile<MR>(acc, cols, alpha, beta, c, ldc);
+  }
+};
+
+// A here is bfloat16 pairs: element (r, t) = (A[r][2t], A[r][2t + 1]) at a[r * ars + t * acs];
+// k counts the pairs. The panel holds B's row pairs: 32 columns × 2 values per pair of rows.
+template <int MR>
+struct Avx512Bf16Tile {
+  static constexpr int NR = 32;
+  QKV_TARGET_AVX512_BF16 static void run(int64_t pairs, const uint32_t* a, int64_t ars, int64_t acs,
+                                         const uint16_t* panel, int64_t cols, float alpha, float beta, float* c,
+                                         int64_t ldc) {
+    __m512 acc[MR][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < pairs; ++t) {
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + t * 2 * NR);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + t * 2 * NR + NR);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * ars + t * acs]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+      }
+    }
+    store_tile<MR>(acc, cols, alpha, beta, c, ldc);
+  }
+};
+#endif
+
+// Runs Tile<rows> for 1 ≤ rows ≤ MR (the block's last rows get a smaller tile).
+template <template <int> class Tile, int MR, typename... Args>
+void tile_of(int rows, Args... args) {
+  if (rows == MR) {
+    Tile<MR>::run(args...);
+  } else if constexpr (MR > 1) {
+    tile_of<Tile, MR - 1>(rows, args...);
+  }
+}
+
+// C = alpha · A · B + beta · C, panel by panel (a panel stays in L1 while every row of A meets it).
+// `depth` is the panel's rows: k for float32, the pairs for bfloat16.
+template <template <int> class Tile, int MR, typename a_t, typename b_t>
+void drive(const a_t* a, int64_t ars, int64_t acs, int64_t m, const b_t* panels, int64_t depth, int64_t values_per_step,
+           int64_t n, float alpha, float beta, float* c, int64_t ldc) {
+  constexpr int64_t NR = Tile<1>::NR;
+  for (int64_t j0 = 0; j0 < n; j0 += NR) {
+    const b_t* panel = panels + (j0 / NR) * depth * values_per_step * NR;
+    const int64_t cols = std::min<int64_t>(NR, n - j0);
+    for (int64_t i0 = 0; i0 < m; i0 += MR) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, m - i0));
+      tile_of<Tile, MR>(rows, depth, a + i0 * ars, ars, acs, panel, cols, alpha, beta, c + i0 * ldc + j0, ldc);
+    }
+  }
+}
+
+void multiply_float(const float* a, int64_t ars, int64_t acs, int64_t m, const PackedRight& b, float alpha, float beta,
+                    float* c, int64_t ldc) {
+  const int64_t k = b.k(), n = b.n();
+  switch (b.kind().isa) {
+#if defined(QKV_X86_64)
+    case ProductIsa::Avx512:
+    case ProductIsa::Avx512Bf16:
+      drive<Avx512Tile, 8>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
+      return;
+    case ProductIsa::Avx2:
+      drive<Avx2Tile, 6>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
+      return;
+#endif
+    default:
+      drive<PortableTile, 4>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
+  }
+}
+
+// A as bfloat16 pairs for vdpbf16ps, row-major [m][ceil(k / 2)], a zero after an odd k.
+template <typename T>
+const uint32_t* pairs_of(Strided<T> a, int64_t m, int64_t k, std::vector<uint32_t>& scratch) {
+  const int64_t pairs = (k + 1) / 2;
+  scratch.resize(static_cast<size_t>(m * pairs));
+  for (int64_t r = 0; r < m; ++r) {
+    uint32_t* out = scratch.data() + r * pairs;
+    const T* row = a.data + r * a.row_stride;
+    for (int64_t t = 0; t < pairs; ++t) {
+      const uint32_t low = bf16_bits(row[2 * t * a.col_stride]);
+      const uint32_t high = 2 * t + 1 < k ? bf16_bits(row[(2 * t + 1) * a.col_stride]) : 0u;
+      out[t] = low | (high << 16);
+    }
+  }
+  return scratch.data();
+}
+
+template <typename T>
+void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc) {
+  if (m == 0 || b.n() == 0) return;
+  if (b.kind().bf16) {
+#if defined(QKV_X86_64)
+    thread_local std::vector<uint32_t> scratch;
+    const int64_t pairs = (b.k() + 1) / 2;
+    const uint32_t* a_pairs = pairs_of(a, m, b.k(), scratch);
+    drive<Avx512Bf16Tile, 8>(a_pairs, pairs, 1, m, b.bf16(), pairs, 2, b.n(), alpha, beta, c, ldc);
+    return;
+#endif
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    multiply_float(a.data, a.row_stride, a.col_stride, m, b, alpha, beta, c, ldc);
+  } else {  // bfloat16 values on a float32 path: widened once
+    thread_local std::vector<float> scratch;
+    const int64_t k = b.k();
+    scratch.resize(static_cast<size_t>(m * k));
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t p = 0; p < k; ++p) scratch[r * k + p] = as_float(a.data[r * a.row_stride + p * a.col_stride]);
+    }
+    multiply_float(scratch.data(), k, 1, m, b, alpha, beta, c, ldc);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind) {
+  TORCH_CHECK(!kind.bf16 || kind.isa == ProductIsa::Avx512Bf16,
+              "tiled kernel: bfloat16 products need AVX512_BF16, asked of ", isa_name(kind.isa));
+  TORCH_CHECK(static_cast<int>(kind.isa) <= static_cast<int>(detected_isa()), "tiled kernel: ", isa_name(kind.isa),
+              " products asked of a CPU with ", isa_name(detected_isa()));
+  kind_ = kind, k_ = k, n_ = n;
+  const auto at = [&](int64_t p, int64_t j) { return b.data[p * b.row_stride + j * b.col_stride]; };
+  if (kind.bf16) {
+    panel_ = kBf16PanelWidth;
+    const int64_t panels = (n + panel_ - 1) / panel_, pairs = (k + 1) / 2;
+    bf16_.assign(static_cast<size_t>(panels * pairs * 2 * panel_), 0);
+    for (int64_t j = 0; j < n; ++j) {
+      uint16_t* column = bf16_.data() + (j / panel_) * pairs * 2 * panel_ + (j % panel_) * 2;
+      for (int64_t p = 0; p < k; ++p) column[(p / 2) * 2 * panel_ + (p % 2)] = bf16_bits(at(p, j));
+    }
+    return;
+  }
+  panel_ = float_panel_width(kind.isa);
+  const int64_t panels = (n + panel_ - 1) / panel_;
+  f32_.resize(static_cast<size_t>(panels * k * panel_));
+  for (int64_t jp = 0; jp < panels; ++jp) {
+    float* panel = f32_.data() + jp * k * panel_;
+    const int64_t j0 = jp * panel_, cols = std::min(panel_, n - j0);
+    if (b.row_stride == 1 && b.col_stride != 1) {  // B = Xᵀ of a row-major X: read X's rows
+      if (cols < panel_) std::fill(panel, panel + k * panel_, 0.0f);
+      for (int64_t j = 0; j < cols; ++j) {
+        for (int64_t p = 0; p < k; ++p) panel[p * panel_ + j] = as_float(at(p, j0 + j));
+      }
+    } else {
+      for (int64_t p = 0; p < k; ++p) {
+        float* out = panel + p * panel_;
+        for (int64_t j = 0; j < cols; ++j) out[j] = as_float(at(p, j0 + j));
+        std::fill(out + cols, out + panel_, 0.0f);
+      }
+    }
+  }
+}
+
+void PackedRight::pack(Strided<float> b, int64_t k, int64_t n, ProductKind kind) { pack_any(b, k, n, kind); }
+void PackedRight::pack(Strided<c10::BFloat16> b, int64_t k, int64_t n, ProductKind kind) { pack_any(b, k, n, kind); }
+
+void multiply(Strided<float> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc) {
+  multiply_any(a, m, b, alpha, beta, c, ldc);
+}
+
+void multiply(Strided<c10::BFloat16> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c,
+              int64_t ldc) {
+  multiply_any(a, m, b, alpha, beta, c, ldc);
+}
+
+}  // namespace qkv::kernels::tiled

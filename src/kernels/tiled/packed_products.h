@@ -1,0 +1,70 @@
+// The tiled kernel's block products C = alpha · A · B + beta · C on qkv's own register-blocked
+// micro-kernels, with B packed once into column panels and then multiplied by many A (the key and
+// value blocks of a head meet every query block). Float32 products on AVX-512, AVX2 + FMA or plain
+// C++; bfloat16 products on AVX512_BF16 (vdpbf16ps: bfloat16 pairs multiplied and summed in
+// float32), chosen at run time (cpu_features.h). The kernel's reference for them is OpenBLAS
+// (blocks.h), which the tests compare against. Private to qkv.
+//
+// The layout follows BLIS and the GEMM micro-kernels of PyTorch's and oneDNN's CPU attention: a
+// tile of MR rows × NR columns of C lives in registers for the whole reduction; each step loads
+// one row of a B panel (NR contiguous values) and broadcasts one value of each of A's MR rows.
+#pragma once
+
+#include "kernels/tiled/cpu_features.h"
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace qkv::kernels::tiled {
+
+/// A matrix as it lies in memory: element (r, c) at data[r * row_stride + c * col_stride]. A
+/// transposed view swaps the strides.
+template <typename T>
+struct Strided {
+  const T* data = nullptr;
+  int64_t row_stride = 0, col_stride = 1;
+  Strided transposed() const { return {data, col_stride, row_stride}; }
+};
+
+/// How a block product multiplies: float32 values on an instruction set's float path, or bfloat16
+/// pairs (only on ProductIsa::Avx512Bf16) accumulated in float32.
+struct ProductKind {
+  ProductIsa isa = ProductIsa::Portable;
+  bool bf16 = false;
+};
+
+/// The right operand B (k × n) of a block product, packed: float32 panels [n / NR][k][NR], or
+/// bfloat16 panels [n / 32][ceil(k / 2)][32][2] (row pairs interleaved for vdpbf16ps); padded with
+/// zeros to whole panels. Its storage is kept between packs, so a reused one allocates once.
+class PackedRight {
+ public:
+  /// Packs b (k × n); bfloat16 products round float32 values to bfloat16 (nearest even).
+  void pack(Strided<float> b, int64_t k, int64_t n, ProductKind kind);
+  void pack(Strided<c10::BFloat16> b, int64_t k, int64_t n, ProductKind kind);
+
+  int64_t k() const { return k_; }
+  int64_t n() const { return n_; }
+  ProductKind kind() const { return kind_; }
+  int64_t panel_width() const { return panel_; }
+  const float* f32() const { return f32_.data(); }
+  const uint16_t* bf16() const { return bf16_.data(); }
+
+ private:
+  template <typename T>
+  void pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind);
+
+  ProductKind kind_;
+  int64_t k_ = 0, n_ = 0, panel_ = 0;
+  std::vector<float> f32_;
+  std::vector<uint16_t> bf16_;
+};
+
+/// C (m × b.n(), row stride ldc) = alpha · A · B + beta · C with A (m × b.k()) as strided; beta = 0
+/// never reads C. Accumulates in float32; bfloat16 products round A to bfloat16 first.
+void multiply(Strided<float> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc);
+void multiply(Strided<c10::BFloat16> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c,
+              int64_t ldc);
+
+}  // namespace qkv::kernels::tiled

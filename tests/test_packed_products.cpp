@@ -1,0 +1,144 @@
+// The tiled kernel's micro-kernels (src/kernels/tiled/packed_products.h) on every instruction set
+// this CPU can run, against a float64 product of the same values: every edge of the tiles (m, n
+// not multiples of MR, NR; odd k for bfloat16 pairs), strided and transposed operands, alpha and
+// beta, and a C full of NaN that beta = 0 must not read.
+#include "kernels/tiled/cpu_features.h"
+#include "kernels/tiled/packed_products.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace {
+
+using qkv::kernels::tiled::detected_isa;
+using qkv::kernels::tiled::isa_name;
+using qkv::kernels::tiled::PackedRight;
+using qkv::kernels::tiled::ProductIsa;
+using qkv::kernels::tiled::ProductKind;
+using qkv::kernels::tiled::Strided;
+
+std::vector<ProductKind> runnable_kinds() {
+  std::vector<ProductKind> kinds;
+  for (auto isa : {ProductIsa::Portable, ProductIsa::Avx2, ProductIsa::Avx512, ProductIsa::Avx512Bf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(detected_isa())) break;
+    kinds.push_back({isa, false});
+    if (isa == ProductIsa::Avx512Bf16) kinds.push_back({isa, true});
+  }
+  return kinds;
+}
+
+std::string describe(const ProductKind& kind) {
+  return std::string(isa_name(kind.isa)) + (kind.bf16 ? " bf16 products" : " float32 products");
+}
+
+// What a value becomes on its way into the product: itself, or rounded to bfloat16.
+double as_multiplied(float x, bool bf16) { return bf16 ? static_cast<double>(c10::BFloat16(x)) : x; }
+double as_multiplied(c10::BFloat16 x, bool) { return static_cast<double>(x); }
+
+template <typename T>
+T draw(std::mt19937& random) {
+  return static_cast<T>(std::normal_distribution<float>(0.0f, 1.0f)(random));
+}
+
+// One product with A (m × k) and B (k × n) stored as given (transposed or not, with padding
+// between rows), against float64 of the values as multiplied.
+template <typename T>
+void check_product(const ProductKind& kind, int64_t m, int64_t n, int64_t k, bool a_transposed, bool b_transposed,
+                   float alpha, float beta, std::mt19937& random) {
+  const int64_t pad = 3;
+  std::vector<T> a_store((m + pad) * (k + pad)), b_store((k + pad) * (n + pad));
+  for (auto& x : a_store) x = draw<T>(random);
+  for (auto& x : b_store) x = draw<T>(random);
+  // A stored as rows of k (or, transposed, as k rows of m); likewise B.
+  const Strided<T> a = a_transposed ? Strided<T>{a_store.data(), 1, m + pad} : Strided<T>{a_store.data(), k + pad, 1};
+  const Strided<T> b = b_transposed ? Strided<T>{b_store.data(), 1, k + pad} : Strided<T>{b_store.data(), n + pad, 1};
+  const int64_t ldc = n + 2;
+  std::vector<float> c(m * ldc);
+  for (auto& x : c) x = beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : draw<float>(random);
+  const std::vector<float> c_before = c;
+
+  PackedRight packed;
+  packed.pack(b, k, n, kind);
+  multiply(a, m, packed, alpha, beta, c.data(), ldc);
+
+  double worst = 0.0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double sum = 0.0, magnitude = 0.0;
+      for (int64_t p = 0; p < k; ++p) {
+        const double term = as_multiplied(a.data[i * a.row_stride + p * a.col_stride], kind.bf16) *
+                            as_multiplied(b.data[p * b.row_stride + j * b.col_stride], kind.bf16);
+        sum += term;
+        magnitude += std::abs(term);
+      }
+      const double expected = alpha * sum + (beta == 0.0f ? 0.0 : beta * c_before[i * ldc + j]);
+      // float32 accumulation of k terms: error below k · eps32 · Σ|terms| (a bound, with margin).
+      const double bound = (static_cast<double>(k) + 2.0) * 1.2e-7 * (std::abs(alpha) * magnitude + 1.0) + 1e-6;
+      const double error = std::abs(c[i * ldc + j] - expected);
+      ASSERT_TRUE(std::isfinite(c[i * ldc + j])) << describe(kind) << " m" << m << " n" << n << " k" << k;
+      worst = std::max(worst, error / bound);
+    }
+    for (int64_t j = n; j < ldc; ++j) {  // the padding between C's rows is left alone
+      const float before = c_before[i * ldc + j], after = c[i * ldc + j];
+      ASSERT_TRUE((std::isnan(before) && std::isnan(after)) || before == after) << "wrote past column " << n;
+    }
+  }
+  EXPECT_LE(worst, 1.0) << describe(kind) << " m" << m << " n" << n << " k" << k << " A"
+                        << (a_transposed ? "ᵀ" : "") << " B" << (b_transposed ? "ᵀ" : "") << " alpha " << alpha
+                        << " beta " << beta;
+}
+
+TEST(PackedProducts, MatchFloat64OnEveryRunnableInstructionSet) {
+  std::mt19937 random(7);
+  const std::vector<int64_t> sizes_m = {1, 5, 8, 13, 64}, sizes_n = {1, 15, 16, 17, 33, 64, 100},
+                             sizes_k = {1, 2, 7, 32, 64, 257};
+  for (const auto& kind : runnable_kinds()) {
+    SCOPED_TRACE(describe(kind));
+    int cases = 0;
+    for (int64_t m : sizes_m) {
+      for (int64_t n : sizes_n) {
+        for (int64_t k : sizes_k) {
+          const bool a_transposed = (m + n + k) % 2 == 1, b_transposed = (m + k) % 3 == 0;
+          const float alpha = cases % 3 == 0 ? 0.125f : 1.0f, beta = cases % 2 == 0 ? 0.0f : 1.0f;
+          check_product<float>(kind, m, n, k, a_transposed, b_transposed, alpha, beta, random);
+          check_product<c10::BFloat16>(kind, m, n, k, !a_transposed, b_transposed, alpha, beta, random);
+          ++cases;
+        }
+      }
+    }
+    EXPECT_EQ(cases, 5 * 7 * 6);
+  }
+}
+
+TEST(PackedProducts, ReportsWhatTheCpuHas) {
+  const auto flags = qkv::kernels::tiled::cpu_flags();
+  const ProductIsa isa = detected_isa();
+  if (static_cast<int>(isa) >= static_cast<int>(ProductIsa::Avx2)) {
+    EXPECT_NE(flags.find("avx2"), std::string::npos);
+  }
+  if (isa == ProductIsa::Avx512Bf16) {
+    EXPECT_NE(flags.find("avx512_bf16"), std::string::npos);
+  }
+  // The flags as /proc/cpuinfo has them, where it exists: cpuid and the kernel agree.
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    const bool listed = line.find(" avx512_bf16") != std::string::npos;
+    EXPECT_EQ(listed, isa == ProductIsa::Avx512Bf16) << line;
+    break;
+  }
+}
+
+TEST(PackedProducts, RefusesBf16ProductsWithoutAvx512Bf16) {
+  PackedRight packed;
+  const float values[4] = {1, 2, 3, 4};
+  EXPECT_THROW(packed.pack(Strided<float>{values, 2, 1}, 2, 2, ProductKind{ProductIsa::Avx512, true}), c10::Error);
+}
+
+}  // namespace
