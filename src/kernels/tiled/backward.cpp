@@ -26,16 +26,23 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
                      const Matrix4<scalar_t>& v, const scalar_t* out, const scalar_t* grad_out, const acc_t* lse,
                      scalar_t* grad_q, scalar_t* grad_k, scalar_t* grad_v, acc_t* grad_scores) {
   const int64_t G = p.groups();
+  const int64_t row_blocks = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
   at::parallel_for(0, p.B * p.Hkv, tasks_per_chunk(p, p.groups() * p.N), [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas single_threaded;
     std::vector<acc_t> probabilities(kRowsPerBlock * kKeysPerBlock), grad_probabilities(kRowsPerBlock * kKeysPerBlock),
-        dropped(kRowsPerBlock * kKeysPerBlock), grad_k_block, grad_v_block, grad_q_all, delta, q_scratch, k_scratch,
-        v_scratch, o_scratch;
+        dropped(kRowsPerBlock * kKeysPerBlock), grad_k_block, grad_v_block, grad_q_all, delta;
     std::vector<uint8_t> keep(kKeysPerBlock);
     grad_k_block.resize(static_cast<size_t>(kKeysPerBlock * p.D));
     grad_v_block.resize(static_cast<size_t>(kKeysPerBlock * p.Dv));
+    // The key block's Kᵀ, Vᵀ and K as right operands, and each query block's Q and dO (packed on
+    // first use, then reused by every key block of the task).
+    RightOperand<scalar_t> keys_transposed, values_transposed, keys;
+    std::vector<RightOperand<scalar_t>> queries(static_cast<size_t>(G * row_blocks)),
+        grad_outputs(static_cast<size_t>(G * row_blocks));
+    std::vector<bool> rows_packed;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv_head = task % p.Hkv, b = task / p.Hkv;
+      rows_packed.assign(static_cast<size_t>(G * row_blocks), false);
       // D_i = rowsum(dO ⊙ O) of every row of the G query heads, and their dQ accumulators.
       delta.assign(static_cast<size_t>(G * p.N), acc_t(0));
       grad_q_all.assign(static_cast<size_t>(G * p.N * p.D), acc_t(0));
@@ -59,10 +66,11 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
           std::fill(gv, gv + cols * p.Dv, scalar_t(0));
           continue;
         }
-        int64_t ldk = 0, ldv = 0;
-        const acc_t* k_rows = rows_as<scalar_t, acc_t>(k.rows(b, kv_head, j0), k.stride_row, cols, p.D, k_scratch, ldk);
-        const acc_t* v_rows =
-            rows_as<scalar_t, acc_t>(v.rows(b, kv_head, j0), v.stride_row, cols, p.Dv, v_scratch, ldv);
+        const scalar_t* k_rows = k.rows(b, kv_head, j0);
+        const scalar_t* v_rows = v.rows(b, kv_head, j0);
+        keys_transposed.prepare({k_rows, 1, k.stride_row}, p.D, cols);
+        values_transposed.prepare({v_rows, 1, v.stride_row}, p.Dv, cols);
+        keys.prepare({k_rows, k.stride_row, 1}, cols, p.D);
         std::fill(grad_k_block.begin(), grad_k_block.end(), acc_t(0));
         std::fill(grad_v_block.begin(), grad_v_block.end(), acc_t(0));
         for (int64_t g = 0; g < G; ++g) {
@@ -73,13 +81,16 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
           const int64_t row_end = p.row_limit(j0 + cols);
           for (int64_t i0 = first_row; i0 < row_end; i0 += kRowsPerBlock) {
             const int64_t rows = std::min(kRowsPerBlock, p.N - i0);
-            int64_t ldq = 0, ldo = 0;
-            const acc_t* q_rows = rows_as<scalar_t, acc_t>(q.rows(b, h, i0), q.stride_row, rows, p.D, q_scratch, ldq);
-            const acc_t* go_rows = rows_as<scalar_t, acc_t>(grad_out + ((b * p.H + h) * p.N + i0) * p.Dv, p.Dv, rows,
-                                                            p.Dv, o_scratch, ldo);
+            const Strided<scalar_t> q_rows{q.rows(b, h, i0), q.stride_row, 1};
+            const Strided<scalar_t> go_rows{grad_out + ((b * p.H + h) * p.N + i0) * p.Dv, p.Dv, 1};
+            const int64_t rows_index = g * row_blocks + i0 / kRowsPerBlock;
+            if (!rows_packed[rows_index]) {
+              queries[rows_index].prepare(q_rows, rows, p.D);
+              grad_outputs[rows_index].prepare(go_rows, rows, p.Dv);
+              rows_packed[rows_index] = true;
+            }
             // P = exp(S - L): the forward's probabilities, recomputed.
-            gemm(false, true, rows, cols, p.D, p.scale, q_rows, ldq, k_rows, ldk, acc_t(0), probabilities.data(),
-                        cols);
+            keys_transposed.multiply_into(q_rows, rows, p.scale, acc_t(0), probabilities.data(), cols);
             p.apply_masks(b, h, i0, rows, j0, cols, probabilities.data(), cols);
             for (int64_t r = 0; r < rows; ++r) {
               const acc_t row_lse = lse[(b * p.H + h) * p.N + i0 + r];
@@ -91,8 +102,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
               }
             }
             // dP = dO Vᵀ
-            gemm(false, true, rows, cols, p.Dv, acc_t(1), go_rows, ldo, v_rows, ldv, acc_t(0),
-                        grad_probabilities.data(), cols);
+            values_transposed.multiply_into(go_rows, rows, acc_t(1), acc_t(0), grad_probabilities.data(), cols);
             // The forward multiplied P by Z / (1 - p) (Z: the kept pairs): V's gradient takes that
             // product, and dP the same factor.
             const acc_t* value_weights = probabilities.data();
@@ -111,8 +121,8 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
               value_weights = dropped.data();
             }
             // dV += (P ⊙ Z / (1 - p))ᵀ dO
-            gemm(true, false, cols, p.Dv, rows, acc_t(1), value_weights, cols, go_rows, ldo, acc_t(1),
-                        grad_v_block.data(), p.Dv);
+            grad_outputs[rows_index].multiply_into(Strided<acc_t>{value_weights, 1, cols}, cols, acc_t(1), acc_t(1),
+                                                   grad_v_block.data(), p.Dv);
             // dS = P ⊙ (dP - D_i), in place of dP.
             for (int64_t r = 0; r < rows; ++r) {
               softmax_backward(probabilities.data() + r * cols, grad_probabilities.data() + r * cols, cols,
@@ -125,10 +135,11 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
               }
             }
             // dK += scale · dSᵀ Q; dQ += scale · dS K
-            gemm(true, false, cols, p.D, rows, p.scale, grad_probabilities.data(), cols, q_rows, ldq, acc_t(1),
-                        grad_k_block.data(), p.D);
-            gemm(false, false, rows, p.D, cols, p.scale, grad_probabilities.data(), cols, k_rows, ldk, acc_t(1),
-                        grad_q_all.data() + (g * p.N + i0) * p.D, p.D);
+            const Strided<acc_t> grad_scores_block{grad_probabilities.data(), cols, 1};
+            queries[rows_index].multiply_into(grad_scores_block.transposed(), cols, p.scale, acc_t(1),
+                                              grad_k_block.data(), p.D);
+            keys.multiply_into(grad_scores_block, rows, p.scale, acc_t(1), grad_q_all.data() + (g * p.N + i0) * p.D,
+                               p.D);
           }
         }
         for (int64_t n = 0; n < cols * p.D; ++n) gk[n] = static_cast<scalar_t>(grad_k_block[n]);

@@ -89,23 +89,4 @@ class RightOperand<double> {
   int64_t k_ = 0, n_ = 0;
 };
 
-/// `rows` rows of `width` elements, `stride` apart, in the accumulation type: a pointer into the
-/// tensor when it already is that type (ld = stride), else converted into `scratch` (bfloat16 ->
-/// float32, ld = width).
-template <typename scalar_t, typename acc_t>
-const acc_t* rows_as(const scalar_t* source, int64_t stride, int64_t rows, int64_t width, std::vector<acc_t>& scratch,
-                     int64_t& ld) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    ld = stride;
-    return source;
-  } else {
-    scratch.resize(static_cast<size_t>(rows * width));
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < width; ++c) scratch[r * width + c] = static_cast<acc_t>(source[r * stride + c]);
-    }
-    ld = width;
-    return scratch.data();
-  }
-}
-
 }  // namespace qkv::kernels::tiled
