@@ -141,12 +141,13 @@ struct Avx512Tile {
   }
 };
 
-// A here is bfloat16 pairs: element (r, t) = (A[r][2t], A[r][2t + 1]) at a[r * ars + t * acs];
-// k counts the pairs. The panel holds B's row pairs: 32 columns × 2 values per pair of rows.
+// A here is bfloat16 pairs: A[r][2t] and A[r][2t + 1] side by side at a + r * ars + t * acs
+// (strides in bfloat16 values); the first argument counts the pairs. The panel holds B's row
+// pairs: 32 columns × 2 values per pair of rows.
 template <int MR>
 struct Avx512Bf16Tile {
   static constexpr int NR = 32;
-  QKV_TARGET_AVX512_BF16 static void run(int64_t pairs, const uint32_t* a, int64_t ars, int64_t acs,
+  QKV_TARGET_AVX512_BF16 static void run(int64_t pairs, const uint16_t* a, int64_t ars, int64_t acs,
                                          const uint16_t* panel, int64_t cols, float alpha, float beta, float* c,
                                          int64_t ldc) {
     __m512 acc[MR][2];
@@ -157,7 +158,9 @@ struct Avx512Bf16Tile {
       const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + t * 2 * NR + NR);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * ars + t * acs]));
+        int32_t pair;
+        std::memcpy(&pair, a + r * ars + t * acs, sizeof pair);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
       }
@@ -211,21 +214,81 @@ void multiply_float(const float* a, int64_t ars, int64_t acs, int64_t m, const P
   }
 }
 
-// A as bfloat16 pairs for vdpbf16ps, row-major [m][ceil(k / 2)], a zero after an odd k.
-template <typename T>
-const uint32_t* pairs_of(Strided<T> a, int64_t m, int64_t k, std::vector<uint32_t>& scratch) {
-  const int64_t pairs = (k + 1) / 2;
-  scratch.resize(static_cast<size_t>(m * pairs));
+// A (m × k) as bfloat16 pairs for vdpbf16ps: a pointer and the strides (in bfloat16 values) of
+// its rows and of its pairs. bfloat16 rows with an even k are read where they lie; anything else
+// is rounded (float32) or copied into `scratch`, float32 rows and columns with AVX512_BF16's
+// conversions, a zero after an odd k.
+struct Pairs {
+  const uint16_t* data;
+  int64_t row_stride, pair_stride;
+};
+
+#if defined(QKV_X86_64)
+// Rows of float32 values, each rounded to bfloat16 (nearest even) in place order: pairs row-major.
+QKV_TARGET_AVX512_BF16 void round_rows(const float* a, int64_t ars, int64_t m, int64_t k, uint16_t* out,
+                                       int64_t out_stride) {
   for (int64_t r = 0; r < m; ++r) {
-    uint32_t* out = scratch.data() + r * pairs;
-    const T* row = a.data + r * a.row_stride;
-    for (int64_t t = 0; t < pairs; ++t) {
-      const uint32_t low = bf16_bits(row[2 * t * a.col_stride]);
-      const uint32_t high = 2 * t + 1 < k ? bf16_bits(row[(2 * t + 1) * a.col_stride]) : 0u;
-      out[t] = low | (high << 16);
+    const float* row = a + r * ars;
+    uint16_t* to = out + r * out_stride;
+    int64_t p = 0;
+    for (; p + 32 <= k; p += 32) {
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + p + 16), _mm512_loadu_ps(row + p));
+      _mm512_storeu_si512(to + p, (__m512i)both);
+    }
+    for (; p < k; ++p) to[p] = bf16_bits(row[p]);
+    if (k % 2 == 1) to[k] = 0;
+  }
+}
+
+// A stored transposed (k rows of m float32 values, `stride` apart): for each pair of stored rows
+// (2t, 2t + 1), their values side by side for every i: pair-major [t][i][2].
+QKV_TARGET_AVX512_BF16 void round_column_pairs(const float* x, int64_t stride, int64_t m, int64_t k, uint16_t* out) {
+  // Interleaves two vectors of 16 bfloat16 (the low and high halves of a register) value by value.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t t = 0; t < (k + 1) / 2; ++t) {
+    const float* even = x + 2 * t * stride;
+    const float* odd = 2 * t + 1 < k ? even + stride : nullptr;
+    uint16_t* to = out + t * 2 * m;
+    int64_t i = 0;
+    if (odd != nullptr) {
+      for (; i + 16 <= m; i += 16) {
+        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(odd + i), _mm512_loadu_ps(even + i));
+        _mm512_storeu_si512(to + 2 * i, _mm512_permutexvar_epi16(interleave, (__m512i)both));
+      }
+    }
+    for (; i < m; ++i) {
+      to[2 * i] = bf16_bits(even[i]);
+      to[2 * i + 1] = odd != nullptr ? bf16_bits(odd[i]) : uint16_t(0);
     }
   }
-  return scratch.data();
+}
+#endif
+
+template <typename T>
+Pairs pairs_of(Strided<T> a, int64_t m, int64_t k, std::vector<uint16_t>& scratch) {
+  const int64_t pairs = (k + 1) / 2;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (a.col_stride == 1 && k % 2 == 0) return {reinterpret_cast<const uint16_t*>(a.data), a.row_stride, 2};
+  }
+  scratch.resize(static_cast<size_t>(m * pairs * 2));
+#if defined(QKV_X86_64)
+  if constexpr (std::is_same_v<T, float>) {
+    if (a.col_stride == 1) {
+      round_rows(a.data, a.row_stride, m, k, scratch.data(), pairs * 2);
+      return {scratch.data(), pairs * 2, 2};
+    }
+    if (a.row_stride == 1) {
+      round_column_pairs(a.data, a.col_stride, m, k, scratch.data());
+      return {scratch.data(), 2, 2 * m};
+    }
+  }
+#endif
+  for (int64_t r = 0; r < m; ++r) {
+    uint16_t* out = scratch.data() + r * pairs * 2;
+    for (int64_t p = 0; p < pairs * 2; ++p) out[p] = p < k ? bf16_bits(a.data[r * a.row_stride + p * a.col_stride]) : 0;
+  }
+  return {scratch.data(), pairs * 2, 2};
 }
 
 template <typename T>
@@ -233,10 +296,11 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
   if (m == 0 || b.n() == 0) return;
   if (b.kind().bf16) {
 #if defined(QKV_X86_64)
-    thread_local std::vector<uint32_t> scratch;
+    thread_local std::vector<uint16_t> scratch;
     const int64_t pairs = (b.k() + 1) / 2;
-    const uint32_t* a_pairs = pairs_of(a, m, b.k(), scratch);
-    drive<Avx512Bf16Tile, 8>(a_pairs, pairs, 1, m, b.bf16(), pairs, 2, b.n(), alpha, beta, c, ldc);
+    const Pairs a_pairs = pairs_of(a, m, b.k(), scratch);
+    drive<Avx512Bf16Tile, 8>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), pairs, 2, b.n(), alpha,
+                             beta, c, ldc);
     return;
 #endif
   }
@@ -269,7 +333,14 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
     bf16_.assign(static_cast<size_t>(panels * pairs * 2 * panel_), 0);
     for (int64_t j = 0; j < n; ++j) {
       uint16_t* column = bf16_.data() + (j / panel_) * pairs * 2 * panel_ + (j % panel_) * 2;
-      for (int64_t p = 0; p < k; ++p) column[(p / 2) * 2 * panel_ + (p % 2)] = bf16_bits(at(p, j));
+      int64_t p = 0;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (b.row_stride == 1) {  // B = Xᵀ of a bfloat16 X: a pair of B's rows is two neighbours in X's row
+          const c10::BFloat16* row = b.data + j * b.col_stride;
+          for (; p + 2 <= k; p += 2) std::memcpy(column + (p / 2) * 2 * panel_, row + p, 2 * sizeof(uint16_t));
+        }
+      }
+      for (; p < k; ++p) column[(p / 2) * 2 * panel_ + (p % 2)] = bf16_bits(at(p, j));
     }
     return;
   }
