@@ -225,9 +225,15 @@ def make_iteration(case, impl, device):
         return forward_backward
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
+    autocast_dtype = getattr(torch, case["autocast"]) if case.get("autocast") else None
+
     def train_step():  # the documents' step plus the optimizer
         optimizer.zero_grad()
-        loss = F.mse_loss(model(x), target)
+        # Mixed precision (case "autocast"): float32 weights, the forward under torch.autocast.
+        with torch.autocast(device_type=device, dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None):
+            output = model(x)
+        loss = F.mse_loss(output.float(), target)
         loss.backward()
         optimizer.step()
 

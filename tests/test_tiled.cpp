@@ -261,40 +261,51 @@ TEST(TiledDropout, NoTwoRowsShareAMask) {
 // With the kernel's own mask Z, the math of dropout is softmax(S) ⊙ Z / (1 - p) times V: the
 // kernel's output and gradients must be that, computed plainly in float64.
 TEST(TiledDropout, EqualsTheMathPathGivenTheKernelsMask) {
-  // Causal, and causal within a sliding window of 9 keys (whose blocks start off the block grid).
-  for (const auto window : {c10::optional<int64_t>(), c10::optional<int64_t>(9)}) {
-    torch::manual_seed(10);
-    const int64_t B = 2, H = 4, Hkv = 2, N = 70, S = 130, D = 8;
-    const double p = 0.25;
-    const uint64_t seed = 0x1234567890ABCDEFULL;
-    const auto q = torch::randn({B, H, N, D}, torch::kDouble), k = torch::randn({B, Hkv, S, D}, torch::kDouble);
-    const auto v = torch::randn({B, Hkv, S, D}, torch::kDouble), upstream = torch::randn({B, H, N, D}, torch::kDouble);
-    const auto options = qkv::ScaledDotProductAttentionOptions()
-                             .dropout(p)
-                             .training(true)
-                             .causal(true)
-                             .window(window)
-                             .enable_gqa(true)
-                             .backend(AttentionBackend::Tiled);
-    auto tq = q.clone().requires_grad_(true), tk = k.clone().requires_grad_(true), tv = v.clone().requires_grad_(true);
-    auto tiled = qkv::kernels::tiled_attention_with_seed(tq, tk, tv, options, seed).output;
-    (tiled * upstream).sum().backward();
+  // Causal, and causal within a sliding window of 9 keys (whose blocks start off the block grid);
+  // float64, and bfloat16 (on AVX512_BF16 CPUs its products multiply bfloat16 pairs: the kept
+  // probabilities and dS rounded to bfloat16) against float64 of the same bfloat16 inputs.
+  for (const auto dtype : {torch::kDouble, torch::kBFloat16}) {
+    for (const auto window : {c10::optional<int64_t>(), c10::optional<int64_t>(9)}) {
+      torch::manual_seed(10);
+      const int64_t B = 2, H = 4, Hkv = 2, N = 70, S = 130, D = 8;
+      const double p = 0.25;
+      const uint64_t seed = 0x1234567890ABCDEFULL;
+      // The inputs as the kernel gets them, and in float64 for the reference.
+      auto input = [&](std::vector<int64_t> shape) { return torch::randn(shape, torch::kDouble).to(dtype); };
+      const auto q = input({B, H, N, D}), k = input({B, Hkv, S, D}), v = input({B, Hkv, S, D});
+      const auto upstream = input({B, H, N, D});
+      const auto options = qkv::ScaledDotProductAttentionOptions()
+                               .dropout(p)
+                               .training(true)
+                               .causal(true)
+                               .window(window)
+                               .enable_gqa(true)
+                               .backend(AttentionBackend::Tiled);
+      auto tq = q.clone().requires_grad_(true), tk = k.clone().requires_grad_(true), tv = v.clone().requires_grad_(true);
+      auto tiled = qkv::kernels::tiled_attention_with_seed(tq, tk, tv, options, seed).output;
+      (tiled * upstream).sum().backward();
 
-    const auto keep = qkv::kernels::tiled_dropout_keep_mask(seed, p, B, H, N, S).to(torch::kDouble);
-    auto mq = q.clone().requires_grad_(true), mk = k.clone().requires_grad_(true), mv = v.clone().requires_grad_(true);
-    const auto weights =
-        qkv::scaled_dot_product_attention(
-            mq, mk, mv,
-            qkv::ScaledDotProductAttentionOptions().causal(true).window(window).enable_gqa(true).need_weights(true).backend(
-                AttentionBackend::Math))
-            .weights;  // (B, H, N, S)
-    const auto values = mv.repeat_interleave(H / Hkv, 1);
-    const auto expected = torch::matmul(weights * keep / (1 - p), values);
-    (expected * upstream).sum().backward();
-    const Outcome actual{tiled.detach(), tq.grad(), tk.grad(), tv.grad()};
-    const Outcome reference{expected.detach(), mq.grad(), mk.grad(), mv.grad()};
-    expect_same(actual, reference, 1e-10,
-                "dropout with the kernel's mask" + (window ? ", window " + std::to_string(*window) : std::string()));
+      const auto keep = qkv::kernels::tiled_dropout_keep_mask(seed, p, B, H, N, S).to(torch::kDouble);
+      auto wide = [](const torch::Tensor& t) { return t.to(torch::kDouble).requires_grad_(true); };
+      auto mq = wide(q), mk = wide(k), mv = wide(v);
+      const auto weights = qkv::scaled_dot_product_attention(mq, mk, mv,
+                                                             qkv::ScaledDotProductAttentionOptions()
+                                                                 .causal(true)
+                                                                 .window(window)
+                                                                 .enable_gqa(true)
+                                                                 .need_weights(true)
+                                                                 .backend(AttentionBackend::Math))
+                               .weights;  // (B, H, N, S)
+      const auto values = mv.repeat_interleave(H / Hkv, 1);
+      const auto expected = torch::matmul(weights * keep / (1 - p), values);
+      (expected * upstream.to(torch::kDouble)).sum().backward();
+      const Outcome actual{tiled.detach(), tq.grad(), tk.grad(), tv.grad()};
+      const Outcome reference{expected.detach(), mq.grad(), mk.grad(), mv.grad()};
+      const double tolerance = dtype == torch::kDouble ? 1e-10 : qkv_test::tolerance_for(dtype, S);
+      expect_same(actual, reference, tolerance,
+                  "dropout with the kernel's mask, " + std::string(c10::toString(dtype)) +
+                      (window ? ", window " + std::to_string(*window) : std::string()));
+    }
   }
 }
 

@@ -42,6 +42,7 @@ struct Case {
   int64_t window = 0;    // core cases: sliding window (causal); 0: none
   double dropout = 0.0;  // core cases: attention dropout while training
   int64_t warmup = 3;    // iterations before timing (1 for the very long cases)
+  std::string autocast;  // module cases: "bfloat16" runs the float32 model under autocast (bf16-mixed)
 };
 
 Case parse_case(const nlohmann::json& j) {
@@ -61,6 +62,7 @@ Case parse_case(const nlohmann::json& j) {
   c.kv_heads = j.value("kv_heads", c.heads);
   c.dropout = j.value("dropout", 0.0);
   c.warmup = j.value("warmup", int64_t{3});
+  c.autocast = j.value("autocast", "");
   return c;
 }
 
@@ -179,9 +181,18 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
     };
   }
   auto optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
+  const bool mixed = !c.autocast.empty();
+  const auto autocast_dtype = mixed ? qkv_cli::dtype_from_name(c.autocast) : torch::kFloat;
   return [=]() mutable {  // train_step: the documents' step plus the optimizer
     optimizer->zero_grad();
-    auto loss = torch::mse_loss(model->forward(x), target);
+    torch::Tensor output;
+    {
+      // Mixed precision as qkv-train's --precision bf16-mixed: float32 weights and optimizer,
+      // the forward's products in the autocast dtype, the loss in float32.
+      const qkv::AutocastGuard autocast(device, autocast_dtype, mixed);
+      output = model->forward(x);
+    }
+    auto loss = torch::mse_loss(output.to(torch::kFloat), target);
     loss.backward();
     optimizer->step();
   };

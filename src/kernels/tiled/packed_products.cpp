@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #if defined(__x86_64__)
@@ -263,6 +264,17 @@ QKV_TARGET_AVX512_BF16 void round_column_pairs(const float* x, int64_t stride, i
     }
   }
 }
+// Two rows of 32 bfloat16 values, interleaved value by value into a panel's pair of rows.
+QKV_TARGET_AVX512_BF16 void interleave_rows(const uint16_t* even, const uint16_t* odd, uint16_t* out) {
+  static const auto indices = [] {
+    std::array<uint16_t, 64> order{};
+    for (uint16_t i = 0; i < 32; ++i) order[2 * i] = i, order[2 * i + 1] = static_cast<uint16_t>(32 + i);
+    return order;
+  }();
+  const __m512i e = _mm512_loadu_si512(even), o = _mm512_loadu_si512(odd);
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi16(e, _mm512_loadu_si512(indices.data()), o));
+  _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(e, _mm512_loadu_si512(indices.data() + 32), o));
+}
 #endif
 
 template <typename T>
@@ -331,7 +343,25 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
     panel_ = kBf16PanelWidth;
     const int64_t panels = (n + panel_ - 1) / panel_, pairs = (k + 1) / 2;
     bf16_.assign(static_cast<size_t>(panels * pairs * 2 * panel_), 0);
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t first_column = 0;
+#if defined(QKV_X86_64)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (b.col_stride == 1) {  // B's rows lie contiguous: whole panels, two rows at a time, in vectors
+        const auto* values = reinterpret_cast<const uint16_t*>(b.data);
+        for (; first_column + panel_ <= n; first_column += panel_) {
+          uint16_t* panel = bf16_.data() + (first_column / panel_) * pairs * 2 * panel_;
+          for (int64_t p = 0; p + 2 <= k; p += 2) {
+            interleave_rows(values + p * b.row_stride + first_column, values + (p + 1) * b.row_stride + first_column,
+                            panel + (p / 2) * 2 * panel_);
+          }
+          if (k % 2 == 1) {
+            for (int64_t j = 0; j < panel_; ++j) panel[(k / 2) * 2 * panel_ + 2 * j] = values[(k - 1) * b.row_stride + first_column + j];
+          }
+        }
+      }
+    }
+#endif
+    for (int64_t j = first_column; j < n; ++j) {
       uint16_t* column = bf16_.data() + (j / panel_) * pairs * 2 * panel_ + (j % panel_) * 2;
       int64_t p = 0;
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
