@@ -1,12 +1,15 @@
 // The tiled kernel's micro-kernels (src/kernels/tiled/packed_products.h) on every instruction set
 // this CPU can run, against a float64 product of the same values: every edge of the tiles (m, n
 // not multiples of MR, NR; odd k for bfloat16 pairs), strided and transposed operands, alpha and
-// beta, and a C full of NaN that beta = 0 must not read.
+// beta, and a C full of NaN that beta = 0 must not read. And its row operations (vector_math.h)
+// against the C library, on the instruction set QKV_TILED_ISA leaves (ctest runs them on each).
 #include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/packed_products.h"
+#include "kernels/tiled/vector_math.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -139,6 +142,53 @@ TEST(PackedProducts, RefusesBf16ProductsWithoutAvx512Bf16) {
   PackedRight packed;
   const float values[4] = {1, 2, 3, 4};
   EXPECT_THROW(packed.pack(Strided<float>{values, 2, 1}, 2, 2, ProductKind{ProductIsa::Avx512, true}), c10::Error);
+}
+
+TEST(RowOperations, ExpShiftedSumMatchesStdExp) {
+  std::mt19937 random(3);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t n : {0, 1, 15, 16, 17, 100, 257}) {
+    std::vector<float> x(n);
+    for (auto& value : x) value = std::uniform_real_distribution<float>(-100.0f, 10.0f)(random);
+    if (n > 3) x[1] = -inf, x[2] = -87.5f, x[3] = 0.0f;  // masked, below the cut, the maximum
+    const float shift = 2.5f;
+    auto result = x;
+    const float sum = qkv::kernels::exp_shifted_sum(result.data(), n, shift);
+    double expected_sum = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = x[i] - shift;  // the difference in float32, as the kernel forms it
+      if (v < -87.0) {  // the contract: exactly 0 at or below shift - 87
+        EXPECT_EQ(result[i], 0.0f) << "x = " << x[i];
+        continue;
+      }
+      const double expected = std::exp(v);
+      expected_sum += expected;
+      EXPECT_LE(std::abs(result[i] - expected), 3e-7 * expected) << "x = " << x[i] << ", n = " << n;
+    }
+    EXPECT_LE(std::abs(sum - expected_sum), 1e-6 * expected_sum + 1e-30) << "n = " << n;
+  }
+  std::vector<float> with_nan = {0.0f, std::numeric_limits<float>::quiet_NaN(), -1.0f};
+  qkv::kernels::exp_shifted_sum(with_nan.data(), 3, 0.0f);
+  EXPECT_TRUE(std::isnan(with_nan[1]));
+  EXPECT_EQ(with_nan[0], 1.0f);
+}
+
+TEST(RowOperations, MaxOfLetsANaNWin) {
+  std::mt19937 random(4);
+  for (int64_t n : {1, 7, 16, 33, 256}) {
+    std::vector<float> x(n);
+    for (auto& value : x) value = std::normal_distribution<float>(0.0f, 10.0f)(random);
+    EXPECT_EQ(qkv::kernels::max_of(x.data(), n), *std::max_element(x.begin(), x.end())) << "n = " << n;
+    for (int64_t at : {int64_t{0}, n / 2, n - 1}) {  // a NaN anywhere, the first lane and the tail included
+      auto poisoned = x;
+      poisoned[at] = std::numeric_limits<float>::quiet_NaN();
+      EXPECT_TRUE(std::isnan(qkv::kernels::max_of(poisoned.data(), n))) << "NaN at " << at << " of " << n;
+    }
+  }
+  EXPECT_EQ(qkv::kernels::max_of(static_cast<const float*>(nullptr), 0), -std::numeric_limits<float>::infinity());
+  const float masked[3] = {-std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity()};
+  EXPECT_EQ(qkv::kernels::max_of(masked, 3), -std::numeric_limits<float>::infinity());
 }
 
 }  // namespace

@@ -12,11 +12,72 @@
 #include <immintrin.h>
 #endif
 
-#define QKV_VECTORISED __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 intrinsics pass an undefined vector as the unused merge source, which its own
+// -Wmaybe-uninitialized then reports at each use (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#define QKV_VECTORISED __attribute__((target_clones("avx2,fma", "default")))
 
 namespace qkv::kernels {
 
-QKV_VECTORISED float exp_shifted_sum(float* __restrict x, int64_t n, float shift) {
+namespace {
+
+float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float shift);
+
+#if defined(__x86_64__)
+// The same polynomial as below, written for AVX-512: vscalefps multiplies by 2^k (the compiler's
+// version of the bit assembly and the NaN blends cost a fifth of the bf16 backward), and a NaN
+// passes through every step by itself (vmaxps returns its second operand when one is NaN).
+__attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_t n, float shift) {
+  const __m512 shift_v = _mm512_set1_ps(shift), lowest = _mm512_set1_ps(-87.0f), highest = _mm512_set1_ps(88.0f);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_high = _mm512_set1_ps(0.693359375f),
+               ln2_low = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.0f);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t left = n - i;
+    const __mmask16 lanes = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+    const __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + i), shift_v);
+    const __mmask16 underflow = _mm512_cmp_ps_mask(v, lowest, _CMP_LT_OQ);  // exactly 0, masked (-inf) included
+    const __m512 clamped = _mm512_min_ps(highest, _mm512_max_ps(lowest, v));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(clamped, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(k, ln2_low, _mm512_fnmadd_ps(k, ln2_high, clamped));
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    const __m512 exp_r = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, one));
+    const __m512 e = _mm512_maskz_mov_ps(lanes & ~underflow, _mm512_scalef_ps(exp_r, k));
+    _mm512_mask_storeu_ps(x + i, lanes, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  alignas(64) float partial[16];
+  _mm512_store_ps(partial, sum);
+  float total = 0.0f;
+  for (float lane : partial) total += lane;
+  return total;
+}
+#endif
+
+}  // namespace
+
+float exp_shifted_sum(float* x, int64_t n, float shift) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    const auto isa = tiled::active_isa();
+    if (isa == tiled::ProductIsa::Avx512 || isa == tiled::ProductIsa::Avx512Bf16) return &exp_shifted_sum_avx512;
+#endif
+    return &exp_shifted_sum_compiled;
+  }();
+  return implementation(x, n, shift);
+}
+
+namespace {
+
+QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float shift) {
   // exp(v) = 2^k · exp(r), k = round(v / ln 2), r = v - k ln 2 in [-ln2/2, ln2/2]; exp(r) by the
   // minimax polynomial of Cephes' expf; 2^k by writing k into the exponent bits.
   constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
@@ -52,6 +113,8 @@ QKV_VECTORISED float exp_shifted_sum(float* __restrict x, int64_t n, float shift
   return sum;
 }
 
+}  // namespace
+
 double exp_shifted_sum(double* x, int64_t n, double shift) {
   double sum = 0.0;
   for (int64_t i = 0; i < n; ++i) {
@@ -73,7 +136,7 @@ __attribute__((target("avx512f"))) float max_of_avx512(const float* x, int64_t n
     const __mmask16 lanes = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
     const __m512 v = _mm512_mask_loadu_ps(lowest, lanes, x + i);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    best = _mm512_maskz_max_ps(0xFFFF, best, v);  // _mm512_max_ps trips GCC 12's -Wmaybe-uninitialized
+    best = _mm512_max_ps(best, v);
   }
   if (nan != 0) return std::numeric_limits<float>::quiet_NaN();
   alignas(64) float lanes[16];
@@ -114,7 +177,7 @@ float max_of(const float* x, int64_t n) {
   // promise, so the lanes carry a NaN flag beside their maxima.
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    switch (tiled::detected_isa()) {
+    switch (tiled::active_isa()) {
       case tiled::ProductIsa::Avx512:
       case tiled::ProductIsa::Avx512Bf16: return &max_of_avx512;
       case tiled::ProductIsa::Avx2: return &max_of_avx2;
