@@ -38,6 +38,20 @@ def cpu_model():
     return platform.processor() or "unknown"
 
 
+def cpu_flags():
+    """The CPU's flags that decide the kernels' instruction sets, as /proc/cpuinfo lists them."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("flags"):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in wanted if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def shape_of(case):
     if case["kind"] == "sgemm":
         return f"{case['seq_len']}x{case['seq_len']} {case['dtype']}"
@@ -148,6 +162,7 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": args.device, "threads": args.threads, "cpu": cpu_model(), "cores": os.cpu_count(),
         "blas": blas_library(), "libtorch_cpp": context.get("torch_version"), "pytorch": side_versions,
+        "cpu_flags": cpu_flags(), "qkv_tiled_isa": context.get("tiled_isa"),
         "google_benchmark": {k: context.get(k) for k in ("library_version", "library_build_type", "num_cpus", "mhz_per_cpu")},
         "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else None,
     }
@@ -156,7 +171,9 @@ def main():
 
     described = ", ".join(f"{side}: PyTorch {v['torch_version']} (Python {v['python']})" for side, v in side_versions.items())
     print(f"qkv vs PyTorch on {args.device}: {meta['date']}, {meta['cpu']} ({meta['cores']} cores), "
-          f"{args.threads} threads, BLAS {meta['blas']}, LibTorch {meta['libtorch_cpp']} (C++); {described}"
+          f"{args.threads} threads, BLAS {meta['blas']}, LibTorch {meta['libtorch_cpp']} (C++); {described}; "
+          f"CPU flags: {' '.join(meta['cpu_flags']) or 'none of avx2, avx512f, avx512_bf16, amx_bf16'}; "
+          f"qkv's tiled kernel ran on {meta['qkv_tiled_isa'] or 'unknown'}"
           + (f", GPU {meta['gpu']}" if meta["gpu"] else ""))
     print("times: median over rounds; ratio: median over rounds of PyTorch time / qkv time (above 1: qkv faster), "
           "against the fastest PyTorch implementation; memory: peak "

@@ -6,6 +6,7 @@
 #include <qkv/functional.h>
 
 #include "kernels/kernels.h"
+#include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/tiled_cpu.h"
 #include "torch_compat.h"
 
@@ -156,7 +157,7 @@ AttentionBackend auto_backend(const torch::Tensor& q, const torch::Tensor& k,
   // Only the math path returns weights. Empty inputs go to it too: some fused kernels reject
   // zero-sized launches, and there is nothing to compute.
   if (options.need_weights() || q.numel() == 0 || k.numel() == 0) return AttentionBackend::Math;
-  if (kernels::tiled_supports(q) && kernels::tiled_uses_blas()) {
+  if (kernels::tiled_supports(q) && kernels::tiled_fast_for(q)) {
     // One query row at inference (a decoded token) is three small products: the math path's few
     // operations cost a little less than setting up the kernel (docs/PERFORMANCE.md, "Decoding").
     // With gradients it stays on the tiled kernel, which (unlike LibTorch's fused CPU kernel)
@@ -198,5 +199,7 @@ AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch
       return kernels::math_attention(q, k, v, options);
   }
 }
+
+std::string tiled_instruction_set() { return kernels::tiled::isa_name(kernels::tiled::active_isa()); }
 
 }  // namespace qkv

@@ -3,6 +3,7 @@
 // not multiples of MR, NR; odd k for bfloat16 pairs), strided and transposed operands, alpha and
 // beta, and a C full of NaN that beta = 0 must not read. And its row operations (vector_math.h)
 // against the C library, on the instruction set QKV_TILED_ISA leaves (ctest runs them on each).
+#include "kernels/tiled/blocks.h"
 #include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/packed_products.h"
 #include "kernels/tiled/vector_math.h"
@@ -69,6 +70,15 @@ void check_product(const ProductKind& kind, int64_t m, int64_t n, int64_t k, boo
   packed.pack(b, k, n, kind);
   multiply(a, m, packed, alpha, beta, c.data(), ldc);
 
+  // The kernel's reference path for float32, OpenBLAS's sgemm on the same operands, agrees too.
+  std::vector<float> blas = c_before;
+  if constexpr (std::is_same_v<T, float>) {
+    if (!kind.bf16) {
+      qkv::kernels::tiled::gemm(a_transposed, b_transposed, m, n, k, alpha, a.data, a_transposed ? m + pad : k + pad,
+                                b.data, b_transposed ? k + pad : n + pad, beta, blas.data(), ldc);
+    }
+  }
+
   double worst = 0.0;
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
@@ -83,6 +93,9 @@ void check_product(const ProductKind& kind, int64_t m, int64_t n, int64_t k, boo
       // float32 accumulation of k terms: error below k · eps32 · Σ|terms| (a bound, with margin).
       const double bound = (static_cast<double>(k) + 2.0) * 1.2e-7 * (std::abs(alpha) * magnitude + 1.0) + 1e-6;
       const double error = std::abs(c[i * ldc + j] - expected);
+      if (std::is_same_v<T, float> && !kind.bf16) {
+        ASSERT_LE(std::abs(c[i * ldc + j] - blas[i * ldc + j]), 2.0 * bound) << "against sgemm, m" << m << " n" << n;
+      }
       ASSERT_TRUE(std::isfinite(c[i * ldc + j])) << describe(kind) << " m" << m << " n" << n << " k" << k;
       worst = std::max(worst, error / bound);
     }

@@ -289,6 +289,7 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
   benchmark::AddCustomContext("torch_threads", std::to_string(torch::get_num_threads()));
   benchmark::AddCustomContext("device", device.str());
+  benchmark::AddCustomContext("tiled_isa", qkv::tiled_instruction_set());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

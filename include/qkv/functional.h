@@ -5,6 +5,8 @@
 //   positions, E = d_model, D = head width (E / H), Dv = value head width.
 #pragma once
 
+#include <string>
+
 #include <qkv/options.h>
 
 #include <torch/types.h>
@@ -30,5 +32,11 @@ AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch
 /// grad: v is taken to require it as k does).
 AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
                                 const ScaledDotProductAttentionOptions& options);
+
+/// The instruction set the tiled CPU backend's block products run on in this process, chosen at
+/// run time from the CPU: "avx512_bf16" (bfloat16 inputs multiply as bfloat16 pairs, vdpbf16ps),
+/// "avx512", "avx2" (with FMA) or "portable". The environment variable QKV_TILED_ISA, read once,
+/// lowers it (to compare paths, or to rule one out).
+std::string tiled_instruction_set();
 
 }  // namespace qkv

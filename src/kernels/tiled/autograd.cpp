@@ -221,6 +221,8 @@ bool tiled_supports(const torch::Tensor& q) {
 
 bool tiled_uses_blas() { return tiled::gemm_uses_blas(); }
 
+bool tiled_fast_for(const torch::Tensor& q) { return q.scalar_type() != torch::kDouble || tiled::gemm_uses_blas(); }
+
 AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                           const ScaledDotProductAttentionOptions& options, uint64_t seed) {
   TORCH_CHECK(tiled_supports(q),

@@ -1,6 +1,7 @@
 // The tiled kernel's backward pass. Each task owns one key/value head (and so the dK, dV of all
-// its keys and the dQ of the G query heads that share it); for every key block it recomputes the
-// probabilities P = exp(S - L) block by block from the forward's L and accumulates
+// its keys and the dQ of the G query heads that share it), or, with fewer heads than threads, a
+// part of its keys (their dK, dV, and a partial dQ summed at the end); for every key block it
+// recomputes the probabilities P = exp(S - L) block by block from the forward's L and accumulates
 // dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K with dS = P ⊙ (dO Vᵀ - rowsum(dO ⊙ O)). Tasks run under
 // at::parallel_for with per-thread scratch and no atomics. Asked for it, it also writes dS itself:
 // the gradient of an additive mask (a learned bias).
@@ -21,13 +22,62 @@
 
 namespace qkv::kernels::tiled {
 
+namespace {
+
+// How the backward splits each key/value head's keys into parts run as separate tasks: one part
+// while there are at least as many heads (B · Hkv) as threads, else enough parts to give every
+// thread work, cut at key blocks where the work (the rows that see each block: fewer for later
+// blocks when causal, a band with a window) is about equal.
+class KeySplit {
+ public:
+  template <typename acc_t>
+  explicit KeySplit(const Problem<acc_t>& p) {
+    const int64_t blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
+    const int64_t heads = p.B * p.Hkv, threads = at::get_num_threads();
+    // Small heads (decoding) stay whole: a part must be worth a thread.
+    const bool small = tasks_per_chunk(p, p.groups() * p.N) > 1;
+    const int64_t parts =
+        heads >= threads || blocks < 2 || small ? 1 : std::min(blocks, (threads + heads - 1) / heads);
+    // Work of each key block: the query rows that can see it.
+    std::vector<double> prefix(static_cast<size_t>(blocks + 1), 0.0);
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t j0 = block * kKeysPerBlock, j1 = std::min(p.S, j0 + kKeysPerBlock);
+      const int64_t first_row = p.causal ? (j0 / kRowsPerBlock) * kRowsPerBlock : 0;
+      prefix[block + 1] = prefix[block] + static_cast<double>(std::max<int64_t>(p.row_limit(j1) - first_row, 1));
+    }
+    bounds_.push_back(0);
+    for (int64_t part = 1; part < parts; ++part) {
+      const double target = prefix[blocks] * static_cast<double>(part) / static_cast<double>(parts);
+      int64_t block = bounds_.back() + 1;
+      while (block < blocks - (parts - part) && prefix[block] < target) ++block;
+      bounds_.push_back(block);
+    }
+    bounds_.push_back(blocks);
+    S_ = p.S;
+  }
+  int64_t parts() const { return static_cast<int64_t>(bounds_.size()) - 1; }
+  int64_t first_key(int64_t part) const { return bounds_[part] * kKeysPerBlock; }
+  int64_t end_key(int64_t part) const { return std::min(S_, bounds_[part + 1] * kKeysPerBlock); }
+
+ private:
+  std::vector<int64_t> bounds_;  // in key blocks
+  int64_t S_ = 0;
+};
+
+}  // namespace
+
 template <typename scalar_t, typename acc_t>
 void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
                      const Matrix4<scalar_t>& v, const scalar_t* out, const scalar_t* grad_out, const acc_t* lse,
                      scalar_t* grad_q, scalar_t* grad_k, scalar_t* grad_v, acc_t* grad_scores) {
   const int64_t G = p.groups();
   const int64_t row_blocks = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
-  at::parallel_for(0, p.B * p.Hkv, tasks_per_chunk(p, p.groups() * p.N), [&](int64_t begin, int64_t end) {
+  const KeySplit split(p);
+  const int64_t heads = p.B * p.Hkv;
+  // With the keys split, each part's dQ is partial: summed over the parts after the tasks.
+  std::vector<acc_t> partial_grad_q;
+  if (split.parts() > 1) partial_grad_q.resize(static_cast<size_t>(heads * split.parts() * G * p.N * p.D));
+  at::parallel_for(0, heads * split.parts(), tasks_per_chunk(p, p.groups() * p.N), [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas single_threaded;
     std::vector<acc_t> probabilities(kRowsPerBlock * kKeysPerBlock), grad_probabilities(kRowsPerBlock * kKeysPerBlock),
         dropped(kRowsPerBlock * kKeysPerBlock), grad_k_block, grad_v_block, grad_q_all, delta;
@@ -41,11 +91,20 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
         grad_outputs(static_cast<size_t>(G * row_blocks));
     std::vector<bool> rows_packed;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv_head = task % p.Hkv, b = task / p.Hkv;
+      const int64_t head = task / split.parts(), part = task % split.parts();
+      const int64_t kv_head = head % p.Hkv, b = head / p.Hkv;
       rows_packed.assign(static_cast<size_t>(G * row_blocks), false);
-      // D_i = rowsum(dO ⊙ O) of every row of the G query heads, and their dQ accumulators.
+      // D_i = rowsum(dO ⊙ O) of every row of the G query heads, and their dQ accumulators (this
+      // part's own, when the keys are split).
       delta.assign(static_cast<size_t>(G * p.N), acc_t(0));
-      grad_q_all.assign(static_cast<size_t>(G * p.N * p.D), acc_t(0));
+      acc_t* grad_q_rows = grad_q_all.data();
+      if (split.parts() > 1) {
+        grad_q_rows = partial_grad_q.data() + task * G * p.N * p.D;
+        std::fill(grad_q_rows, grad_q_rows + G * p.N * p.D, acc_t(0));
+      } else {
+        grad_q_all.assign(static_cast<size_t>(G * p.N * p.D), acc_t(0));
+        grad_q_rows = grad_q_all.data();
+      }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
         for (int64_t i = 0; i < p.N; ++i) {
@@ -57,7 +116,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
         }
       }
       const int64_t key_end = p.key_limit(b, p.N);
-      for (int64_t j0 = 0; j0 < p.S; j0 += kKeysPerBlock) {
+      for (int64_t j0 = split.first_key(part); j0 < split.end_key(part); j0 += kKeysPerBlock) {
         const int64_t cols = std::min(kKeysPerBlock, p.S - j0);
         scalar_t* gk = grad_k + ((b * p.Hkv + kv_head) * p.S + j0) * p.D;
         scalar_t* gv = grad_v + ((b * p.Hkv + kv_head) * p.S + j0) * p.Dv;
@@ -138,18 +197,36 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
             const Strided<acc_t> grad_scores_block{grad_probabilities.data(), cols, 1};
             queries[rows_index].multiply_into(grad_scores_block.transposed(), cols, p.scale, acc_t(1),
                                               grad_k_block.data(), p.D);
-            keys.multiply_into(grad_scores_block, rows, p.scale, acc_t(1), grad_q_all.data() + (g * p.N + i0) * p.D,
+            keys.multiply_into(grad_scores_block, rows, p.scale, acc_t(1), grad_q_rows + (g * p.N + i0) * p.D,
                                p.D);
           }
         }
         for (int64_t n = 0; n < cols * p.D; ++n) gk[n] = static_cast<scalar_t>(grad_k_block[n]);
         for (int64_t n = 0; n < cols * p.Dv; ++n) gv[n] = static_cast<scalar_t>(grad_v_block[n]);
       }
+      if (split.parts() > 1) continue;  // dQ once every part is done
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
         scalar_t* gq = grad_q + (b * p.H + h) * p.N * p.D;
-        const acc_t* source = grad_q_all.data() + g * p.N * p.D;
+        const acc_t* source = grad_q_rows + g * p.N * p.D;
         for (int64_t n = 0; n < p.N * p.D; ++n) gq[n] = static_cast<scalar_t>(source[n]);
+      }
+    }
+  });
+  if (split.parts() == 1) return;
+  // dQ = the sum of the parts' partial dQ, head by head and row by row. The query heads of a
+  // key/value head are consecutive: (b, kv_head, g) is query head b·H + kv_head·G + g.
+  const int64_t values_per_head = G * p.N * p.D;
+  at::parallel_for(0, heads * G * p.N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t head = row / (G * p.N), offset = (row % (G * p.N)) * p.D;
+      scalar_t* gq = grad_q + head * values_per_head + offset;
+      for (int64_t d = 0; d < p.D; ++d) {
+        acc_t sum = 0;
+        for (int64_t part = 0; part < split.parts(); ++part) {
+          sum += partial_grad_q[(head * split.parts() + part) * values_per_head + offset + d];
+        }
+        gq[d] = static_cast<scalar_t>(sum);
       }
     }
   });

@@ -10,8 +10,11 @@ namespace qkv::kernels {
 
 /// Whether the tiled backend can take q: a CPU tensor of float32, float64 or bfloat16.
 bool tiled_supports(const torch::Tensor& q);
-/// Whether the block products go through a CBLAS found at build time (else plain loops).
+/// Whether the float64 block products go through a CBLAS found at build time (else plain loops).
 bool tiled_uses_blas();
+/// Whether q's dtype runs on fast block products: float32 and bfloat16 always (qkv's packed
+/// micro-kernels), float64 where tiled_uses_blas().
+bool tiled_fast_for(const torch::Tensor& q);
 
 /// The tiled backend with a given dropout seed (tiled_attention draws it from LibTorch's CPU generator).
 AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
