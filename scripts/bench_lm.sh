@@ -4,19 +4,21 @@
 #     batches and optimizer in PyTorch), at qkv-train's default configuration;
 #  2. generation tokens/s of qkv-train --generate with the KV cache against without it
 #     (recomputing the whole prefix for every token), 256 new tokens.
-#   scripts/bench_lm.sh [--threads N] [--rounds R] [--steps S] [--pytorch WHERE]
+#   scripts/bench_lm.sh [--threads N] [--rounds R] [--steps S] [--pytorch WHERE] [--dropout P]
 # Defaults: threads = cores, 3 rounds, 30 training steps per measurement, PyTorch on this machine
-# (WHERE: host, or a Debian release's chroot as in scripts/bench.sh). Prints one table.
+# (WHERE: host, or a Debian release's chroot as in scripts/bench.sh), the lm's dropout (0.1; both
+# sides take --dropout P). Prints one table.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-threads=$(nproc) rounds=3 steps=30 pytorch=host
+threads=$(nproc) rounds=3 steps=30 pytorch=host dropout=()
 while [[ $# -gt 0 ]]; do
   case $1 in
     --threads) threads=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
     --pytorch) pytorch=$2; shift 2 ;;
-    -h|--help) sed -n 2,9p "$0"; exit 0 ;;
+    --dropout) dropout=(--dropout "$2"); shift 2 ;;
+    -h|--help) sed -n 2,10p "$0"; exit 0 ;;
     *) echo "bench_lm.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -31,7 +33,8 @@ json_field() { "$python" -c 'import json, sys; print(json.loads(sys.stdin.read()
 # The default configuration, as qkv-train resolves it (lm_pytorch.py takes the same options from
 # its summary); and a model to generate from, with a context of 320 for 256 new tokens after the
 # prompt (its weights do not change the speed).
-"$train" --task lm --device cpu --threads "$threads" --steps 1 --eval-every 1000 --quiet --out "$work/defaults" > /dev/null
+"$train" --task lm --device cpu --threads "$threads" --steps 1 --eval-every 1000 --quiet "${dropout[@]}" \
+  --out "$work/defaults" > /dev/null
 "$train" --task lm --device cpu --threads "$threads" --seq-len 320 --steps 2 --eval-every 1000 --quiet \
   --out "$work/model" > /dev/null
 
@@ -39,7 +42,7 @@ qkv_train=() pytorch_train=() cached=() uncached=()
 for round in $(seq 1 "$rounds"); do
   echo "bench_lm: round $round/$rounds" >&2
   qkv_train+=("$("$train" --task lm --device cpu --threads "$threads" --steps "$steps" --eval-every 100000 --quiet \
-    --json | json_field tokens_per_s)")
+    "${dropout[@]}" --json | json_field tokens_per_s)")
   if [[ $pytorch == host ]]; then
     pytorch_train+=("$("$python" "$root/scripts/lm_pytorch.py" speed --threads "$threads" --steps "$steps" \
       --like "$work/defaults/summary.json" | json_field tokens_per_s)")
@@ -58,12 +61,15 @@ for round in $(seq 1 "$rounds"); do
 done
 torch_version=$([[ $pytorch == host ]] && "$python" -c 'import torch; print(torch.__version__)' ||
   bash "$root/scripts/test-in-debian.sh" "$pytorch" /usr/bin/python3 -c 'import torch; print(torch.__version__)' | tail -1)
-"$python" - "$threads" "$torch_version" "${qkv_train[*]}" "${pytorch_train[*]}" "${cached[*]}" "${uncached[*]}" << 'PY'
+"$python" - "$threads" "$torch_version" "${qkv_train[*]}" "${pytorch_train[*]}" "${cached[*]}" "${uncached[*]}" \
+  "${dropout[1]:-}" << 'PY'
 import statistics, sys
 threads, torch_version = sys.argv[1], sys.argv[2]
 qkv, pytorch, cached, uncached = ([float(x) for x in a.split()] for a in sys.argv[3:7])
+dropout_note = f" with dropout {sys.argv[7]}" if sys.argv[7] else ""
 ratio = lambda a, b: statistics.median(x / y for x, y in zip(a, b))
-print(f"language model, default configuration, {threads} threads, PyTorch {torch_version}; medians of {len(qkv)} rounds")
+print(f"language model, default configuration{dropout_note}, {threads} threads, PyTorch {torch_version}; "
+      f"medians of {len(qkv)} rounds")
 print("| measurement | qkv | other | ratio | goal |")
 print("| --- | --- | --- | --- | --- |")
 print(f"| training tokens/s: qkv-train vs lm_pytorch.py | {statistics.median(qkv):.0f} | {statistics.median(pytorch):.0f} "
