@@ -21,10 +21,10 @@
 namespace qkv::kernels::tiled {
 namespace {
 
-constexpr int64_t kBf16PanelWidth = 32;  // columns of a bfloat16 panel: two registers of 16 pairs
-
-int64_t float_panel_width(ProductIsa isa) {
-  return static_cast<int>(isa) >= static_cast<int>(ProductIsa::Avx512) ? 32 : 16;
+// Columns of a panel: two registers' worth on AVX-512 (32 floats, or 32 bfloat16 pairs), one for a
+// product of at most 16 columns there (the narrow tiles); 16 on AVX2 and the portable path.
+int64_t columns_per_panel(ProductIsa isa, int64_t n) {
+  return static_cast<int>(isa) >= static_cast<int>(ProductIsa::Avx512) && n > 16 ? 32 : 16;
 }
 
 inline float as_float(float x) { return x; }
@@ -102,73 +102,88 @@ QKV_TARGET_AVX512 inline __mmask16 lanes(int64_t cols, int half) {
   return static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
 }
 
-// alpha · acc + beta · C into C's valid lanes; beta = 0 reads nothing.
-template <int MR>
-QKV_TARGET_AVX512 inline void store_tile(const __m512 (&acc)[MR][2], int64_t cols, float alpha, float beta, float* c,
+// alpha · acc + beta · C into C's valid lanes; beta = 0 reads nothing. V vectors of 16 per row.
+template <int MR, int V>
+QKV_TARGET_AVX512 inline void store_tile(const __m512 (&acc)[MR][V], int64_t cols, float alpha, float beta, float* c,
                                          int64_t ldc) {
-  const __mmask16 m0 = lanes(cols, 0), m1 = lanes(cols, 1);
+  __mmask16 masks[V];
+  for (int v = 0; v < V; ++v) masks[v] = lanes(cols, v);
   const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     float* row = c + r * ldc;
-    __m512 v0 = _mm512_mul_ps(acc[r][0], va), v1 = _mm512_mul_ps(acc[r][1], va);
-    if (beta != 0.0f) {
-      v0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, row), vb, v0);
-      v1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, row + 16), vb, v1);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {
+      __m512 value = _mm512_mul_ps(acc[r][v], va);
+      if (beta != 0.0f) value = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(masks[v], row + 16 * v), vb, value);
+      _mm512_mask_storeu_ps(row + 16 * v, masks[v], value);
     }
-    _mm512_mask_storeu_ps(row, m0, v0);
-    _mm512_mask_storeu_ps(row + 16, m1, v1);
   }
 }
 
-template <int MR>
-struct Avx512Tile {
-  static constexpr int NR = 32;
+// MR rows × 16·V columns. Two vectors a row (32 columns) as a rule; one (16 columns, with more
+// rows) for products 16 wide or narrower, which a 32-column tile would half waste (head width 16).
+template <int MR, int V>
+struct Avx512TileOf {
+  static constexpr int NR = 16 * V;
   QKV_TARGET_AVX512 static void run(int64_t k, const float* a, int64_t ars, int64_t acs, const float* panel,
                                     int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
-    __m512 acc[MR][2];
+    __m512 acc[MR][V];
 #pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    }
     for (int64_t p = 0; p < k; ++p) {
-      const __m512 b0 = _mm512_loadu_ps(panel + p * NR), b1 = _mm512_loadu_ps(panel + p * NR + 16);
+      __m512 b[V];
+      for (int v = 0; v < V; ++v) b[v] = _mm512_loadu_ps(panel + p * NR + 16 * v);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const __m512 x = _mm512_set1_ps(a[r * ars + p * acs]);
-        acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(x, b[v], acc[r][v]);
       }
     }
-    store_tile<MR>(acc, cols, alpha, beta, c, ldc);
+    store_tile<MR, V>(acc, cols, alpha, beta, c, ldc);
   }
 };
+template <int MR>
+using Avx512Tile = Avx512TileOf<MR, 2>;
+template <int MR>
+using Avx512NarrowTile = Avx512TileOf<MR, 1>;
 
 // A here is bfloat16 pairs: A[r][2t] and A[r][2t + 1] side by side at a + r * ars + t * acs
 // (strides in bfloat16 values); the first argument counts the pairs. The panel holds B's row
-// pairs: 32 columns × 2 values per pair of rows.
-template <int MR>
-struct Avx512Bf16Tile {
-  static constexpr int NR = 32;
+// pairs: 16·V columns × 2 values per pair of rows.
+template <int MR, int V>
+struct Avx512Bf16TileOf {
+  static constexpr int NR = 16 * V;
   QKV_TARGET_AVX512_BF16 static void run(int64_t pairs, const uint16_t* a, int64_t ars, int64_t acs,
                                          const uint16_t* panel, int64_t cols, float alpha, float beta, float* c,
                                          int64_t ldc) {
-    __m512 acc[MR][2];
+    __m512 acc[MR][V];
 #pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    }
     for (int64_t t = 0; t < pairs; ++t) {
-      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + t * 2 * NR);
-      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + t * 2 * NR + NR);
+      __m512bh b[V];
+      for (int v = 0; v < V; ++v) b[v] = (__m512bh)_mm512_loadu_si512(panel + t * 2 * NR + 32 * v);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         int32_t pair;
         std::memcpy(&pair, a + r * ars + t * acs, sizeof pair);
         const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x, b[v]);
       }
     }
-    store_tile<MR>(acc, cols, alpha, beta, c, ldc);
+    store_tile<MR, V>(acc, cols, alpha, beta, c, ldc);
   }
 };
+template <int MR>
+using Avx512Bf16Tile = Avx512Bf16TileOf<MR, 2>;
+template <int MR>
+using Avx512Bf16NarrowTile = Avx512Bf16TileOf<MR, 1>;
 #endif
 
 // Runs Tile<rows> for 1 ≤ rows ≤ MR (the block's last rows get a smaller tile).
@@ -204,7 +219,11 @@ void multiply_float(const float* a, int64_t ars, int64_t acs, int64_t m, const P
 #if defined(QKV_X86_64)
     case ProductIsa::Avx512:
     case ProductIsa::Avx512Bf16:
-      drive<Avx512Tile, 8>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
+      if (b.panel_width() == 16) {
+        drive<Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
+      } else {
+        drive<Avx512Tile, 8>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
+      }
       return;
     case ProductIsa::Avx2:
       drive<Avx2Tile, 6>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
@@ -311,8 +330,13 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
     thread_local std::vector<uint16_t> scratch;
     const int64_t pairs = (b.k() + 1) / 2;
     const Pairs a_pairs = pairs_of(a, m, b.k(), scratch);
-    drive<Avx512Bf16Tile, 8>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), pairs, 2, b.n(), alpha,
-                             beta, c, ldc);
+    if (b.panel_width() == 16) {
+      drive<Avx512Bf16NarrowTile, 12>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), pairs, 2,
+                                      b.n(), alpha, beta, c, ldc);
+    } else {
+      drive<Avx512Bf16Tile, 8>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), pairs, 2, b.n(),
+                               alpha, beta, c, ldc);
+    }
     return;
 #endif
   }
@@ -340,13 +364,13 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
   kind_ = kind, k_ = k, n_ = n;
   const auto at = [&](int64_t p, int64_t j) { return b.data[p * b.row_stride + j * b.col_stride]; };
   if (kind.bf16) {
-    panel_ = kBf16PanelWidth;
+    panel_ = columns_per_panel(kind.isa, n);
     const int64_t panels = (n + panel_ - 1) / panel_, pairs = (k + 1) / 2;
     bf16_.assign(static_cast<size_t>(panels * pairs * 2 * panel_), 0);
     int64_t first_column = 0;
 #if defined(QKV_X86_64)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (b.col_stride == 1) {  // B's rows lie contiguous: whole panels, two rows at a time, in vectors
+      if (b.col_stride == 1 && panel_ == 32) {  // B's rows lie contiguous: whole panels, two rows at a time
         const auto* values = reinterpret_cast<const uint16_t*>(b.data);
         for (; first_column + panel_ <= n; first_column += panel_) {
           uint16_t* panel = bf16_.data() + (first_column / panel_) * pairs * 2 * panel_;
@@ -355,7 +379,9 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
                             panel + (p / 2) * 2 * panel_);
           }
           if (k % 2 == 1) {
-            for (int64_t j = 0; j < panel_; ++j) panel[(k / 2) * 2 * panel_ + 2 * j] = values[(k - 1) * b.row_stride + first_column + j];
+            for (int64_t j = 0; j < panel_; ++j) {
+              panel[(k / 2) * 2 * panel_ + 2 * j] = values[(k - 1) * b.row_stride + first_column + j];
+            }
           }
         }
       }
@@ -374,7 +400,7 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
     }
     return;
   }
-  panel_ = float_panel_width(kind.isa);
+  panel_ = columns_per_panel(kind.isa, n);
   const int64_t panels = (n + panel_ - 1) / panel_;
   f32_.resize(static_cast<size_t>(panels * k * panel_));
   for (int64_t jp = 0; jp < panels; ++jp) {
