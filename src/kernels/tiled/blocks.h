@@ -7,16 +7,17 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <utility>
 #include <cstdint>
 #include <type_traits>
-#include <vector>
+#include <utility>
 
 namespace qkv::kernels::tiled {
 
 /// C = alpha · op(A) · op(B) + beta · C for row-major blocks (op = transpose or not), through the
 /// CBLAS found at build time (OpenBLAS's sgemm / dgemm), else plain loops. Leading dimensions must
-/// be at least the row widths: operands.cpp guarantees it for every tensor the kernel reads.
+/// be at least the row widths: operands.cpp guarantees it for every tensor the kernel reads. The
+/// kernel multiplies float64 blocks with it; the float32 one is the reference the packed
+/// micro-kernels are tested against (tests/test_packed_products.cpp).
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
