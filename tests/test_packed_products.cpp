@@ -29,7 +29,7 @@ using qkv::kernels::tiled::Strided;
 std::vector<ProductKind> runnable_kinds() {
   std::vector<ProductKind> kinds;
   for (auto isa : {ProductIsa::Portable, ProductIsa::Avx2, ProductIsa::Avx512, ProductIsa::Avx512Bf16}) {
-    if (static_cast<int>(isa) > static_cast<int>(detected_isa())) break;
+    if (!qkv::kernels::tiled::at_least(detected_isa(), isa)) break;
     kinds.push_back({isa, false});
     if (isa == ProductIsa::Avx512Bf16) kinds.push_back({isa, true});
   }
@@ -134,7 +134,7 @@ TEST(PackedProducts, MatchFloat64OnEveryRunnableInstructionSet) {
 TEST(PackedProducts, ReportsWhatTheCpuHas) {
   const auto flags = qkv::kernels::tiled::cpu_flags();
   const ProductIsa isa = detected_isa();
-  if (static_cast<int>(isa) >= static_cast<int>(ProductIsa::Avx2)) {
+  if (qkv::kernels::tiled::at_least(isa, ProductIsa::Avx2)) {
     EXPECT_NE(flags.find("avx2"), std::string::npos);
   }
   if (isa == ProductIsa::Avx512Bf16) {

@@ -92,7 +92,8 @@ qkv::AttentionMask Fixture::mask() const {
 
 
 qkv::AttentionBackend default_cpu_backend() {
-  if (qkv::kernels::tiled_uses_blas()) return qkv::AttentionBackend::Tiled;
+  // For float32 inputs, as Auto decides: the tiled kernel runs them on its own micro-kernels.
+  if (qkv::kernels::tiled_fast_for(torch::empty({0}, torch::kFloat))) return qkv::AttentionBackend::Tiled;
   return qkv::fused_backend_available() ? qkv::AttentionBackend::Fused : qkv::AttentionBackend::Math;
 }
 

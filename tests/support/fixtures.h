@@ -51,7 +51,7 @@ class Fixture {
                                          double scale = 0.0);
 
 /// What AttentionBackend::Auto runs on the CPU for float32 inputs without weights, as documented:
-/// the tiled kernel where qkv was built with a BLAS, else the fused one where LibTorch has it, else math.
+/// the tiled kernel (float32 runs on its own micro-kernels, BLAS or not).
 qkv::AttentionBackend default_cpu_backend();
 
 

@@ -42,8 +42,7 @@ class KeySplit {
     std::vector<double> prefix(static_cast<size_t>(blocks + 1), 0.0);
     for (int64_t block = 0; block < blocks; ++block) {
       const int64_t j0 = block * kKeysPerBlock, j1 = std::min(p.S, j0 + kKeysPerBlock);
-      const int64_t first_row = p.causal ? (j0 / kRowsPerBlock) * kRowsPerBlock : 0;
-      prefix[block + 1] = prefix[block] + static_cast<double>(std::max<int64_t>(p.row_limit(j1) - first_row, 1));
+      prefix[block + 1] = prefix[block] + static_cast<double>(std::max<int64_t>(p.row_limit(j1) - p.row_begin(j0), 1));
     }
     bounds_.push_back(0);
     for (int64_t part = 1; part < parts; ++part) {
@@ -97,14 +96,9 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
       // D_i = rowsum(dO ⊙ O) of every row of the G query heads, and their dQ accumulators (this
       // part's own, when the keys are split).
       delta.assign(static_cast<size_t>(G * p.N), acc_t(0));
-      acc_t* grad_q_rows = grad_q_all.data();
-      if (split.parts() > 1) {
-        grad_q_rows = partial_grad_q.data() + task * G * p.N * p.D;
-        std::fill(grad_q_rows, grad_q_rows + G * p.N * p.D, acc_t(0));
-      } else {
-        grad_q_all.assign(static_cast<size_t>(G * p.N * p.D), acc_t(0));
-        grad_q_rows = grad_q_all.data();
-      }
+      if (split.parts() == 1) grad_q_all.assign(static_cast<size_t>(G * p.N * p.D), acc_t(0));
+      acc_t* grad_q_rows = split.parts() > 1 ? partial_grad_q.data() + task * G * p.N * p.D : grad_q_all.data();
+      if (split.parts() > 1) std::fill(grad_q_rows, grad_q_rows + G * p.N * p.D, acc_t(0));
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
         for (int64_t i = 0; i < p.N; ++i) {
@@ -134,11 +128,10 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
         std::fill(grad_v_block.begin(), grad_v_block.end(), acc_t(0));
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kv_head * G + g;
-          // Causal: rows above the block's first key never see it.
-          // and with a window, rows past the block's last key + W never see it.
-          const int64_t first_row = p.causal ? (j0 / kRowsPerBlock) * kRowsPerBlock : 0;
+          // Only the rows that can see the block: none above its first key when causal, none past
+          // its last key + W with a window.
           const int64_t row_end = p.row_limit(j0 + cols);
-          for (int64_t i0 = first_row; i0 < row_end; i0 += kRowsPerBlock) {
+          for (int64_t i0 = p.row_begin(j0); i0 < row_end; i0 += kRowsPerBlock) {
             const int64_t rows = std::min(kRowsPerBlock, p.N - i0);
             const Strided<scalar_t> q_rows{q.rows(b, h, i0), q.stride_row, 1};
             const Strided<scalar_t> go_rows{grad_out + ((b * p.H + h) * p.N + i0) * p.Dv, p.Dv, 1};

@@ -84,7 +84,7 @@ ProductIsa active_isa() {
     const char* requested = std::getenv("QKV_TILED_ISA");
     if (requested == nullptr || *requested == '\0') return detected;
     const ProductIsa wanted = parse_isa(requested);
-    return static_cast<int>(wanted) < static_cast<int>(detected) ? wanted : detected;
+    return at_least(detected, wanted) ? wanted : detected;
   }();
   return chosen;
 }

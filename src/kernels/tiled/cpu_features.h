@@ -15,6 +15,9 @@ enum class ProductIsa {
   Avx512Bf16,  // and AVX512_BF16's vdpbf16ps: bfloat16 pairs multiplied, summed in float32
 };
 
+/// Whether `isa` includes `floor` (each instruction set includes the ones listed before it).
+inline bool at_least(ProductIsa isa, ProductIsa floor) { return static_cast<int>(isa) >= static_cast<int>(floor); }
+
 /// What this CPU and operating system can run.
 ProductIsa detected_isa();
 

@@ -70,6 +70,8 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
     std::vector<uint8_t> keep(kKeysPerBlock);
     accumulator.resize(static_cast<size_t>(kRowsPerBlock * p.Dv));
     PackedHead<scalar_t> head;
+    // A block packed for one use only (see below); kept here so that its storage is reused.
+    RightOperand<scalar_t> narrow_keys, narrow_values;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % row_blocks, bh = task / row_blocks, h = bh % p.H, b = bh / p.H;
       const int64_t kv_head = h / p.groups();
@@ -85,7 +87,6 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         // Whole blocks are packed once and reused; a causal or length-limited last block (narrower
         // for some row blocks than for others) and a window's unaligned blocks are packed here.
         const bool full = j0 % kKeysPerBlock == 0 && cols == std::min(kKeysPerBlock, p.S - j0);
-        RightOperand<scalar_t> narrow_keys, narrow_values;
         const RightOperand<scalar_t>*keys = &narrow_keys, *values = &narrow_values;
         if (full) {
           std::tie(keys, values) = head.block(p, k, v, j0 / kKeysPerBlock, j0, cols);

@@ -52,6 +52,8 @@ struct Problem {
   int64_t groups() const { return H / Hkv; }
   // The first key that can matter to rows from i0 on: with a window, none before i0 - W + 1.
   int64_t key_begin(int64_t i0) const { return window > 0 ? std::max<int64_t>(0, i0 - window + 1) : 0; }
+  // The first row block's start that can see keys from j0 on: causal rows above j0 never do.
+  int64_t row_begin(int64_t j0) const { return causal ? (j0 / kRowsPerBlock) * kRowsPerBlock : 0; }
   // Rows that can see keys [j0, j1): with a window, none from j1 - 1 + W on (as a bound, clipped to N).
   int64_t row_limit(int64_t j1) const { return window > 0 ? std::min(N, j1 - 1 + window) : N; }
   // Keys that can matter to rows [i0, i1) of batch b: past the length and above the diagonal, none.

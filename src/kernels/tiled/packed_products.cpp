@@ -24,7 +24,7 @@ namespace {
 // Columns of a panel: two registers' worth on AVX-512 (32 floats, or 32 bfloat16 pairs), one for a
 // product of at most 16 columns there (the narrow tiles); 16 on AVX2 and the portable path.
 int64_t columns_per_panel(ProductIsa isa, int64_t n) {
-  return static_cast<int>(isa) >= static_cast<int>(ProductIsa::Avx512) && n > 16 ? 32 : 16;
+  return at_least(isa, ProductIsa::Avx512) && n > 16 ? 32 : 16;
 }
 
 inline float as_float(float x) { return x; }
@@ -359,12 +359,11 @@ template <typename T>
 void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind) {
   TORCH_CHECK(!kind.bf16 || kind.isa == ProductIsa::Avx512Bf16,
               "tiled kernel: bfloat16 products need AVX512_BF16, asked of ", isa_name(kind.isa));
-  TORCH_CHECK(static_cast<int>(kind.isa) <= static_cast<int>(detected_isa()), "tiled kernel: ", isa_name(kind.isa),
+  TORCH_CHECK(at_least(detected_isa(), kind.isa), "tiled kernel: ", isa_name(kind.isa),
               " products asked of a CPU with ", isa_name(detected_isa()));
-  kind_ = kind, k_ = k, n_ = n;
+  kind_ = kind, k_ = k, n_ = n, panel_ = columns_per_panel(kind.isa, n);
   const auto at = [&](int64_t p, int64_t j) { return b.data[p * b.row_stride + j * b.col_stride]; };
   if (kind.bf16) {
-    panel_ = columns_per_panel(kind.isa, n);
     const int64_t panels = (n + panel_ - 1) / panel_, pairs = (k + 1) / 2;
     bf16_.assign(static_cast<size_t>(panels * pairs * 2 * panel_), 0);
     int64_t first_column = 0;
@@ -400,7 +399,6 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
     }
     return;
   }
-  panel_ = columns_per_panel(kind.isa, n);
   const int64_t panels = (n + panel_ - 1) / panel_;
   f32_.resize(static_cast<size_t>(panels * k * panel_));
   for (int64_t jp = 0; jp < panels; ++jp) {

@@ -26,7 +26,16 @@ namespace {
 
 float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float shift);
 
+// Whether the row operations take their AVX-512 versions (the instruction set the kernel's
+// products use, so QKV_TILED_ISA lowers both together).
+bool wide_vectors() { return tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512); }
+
 #if defined(__x86_64__)
+// The lanes of a 16-float vector that hold one of the `left` values still to do.
+__attribute__((target("avx512f"))) inline __mmask16 tail_lanes(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+}
+
 // The same polynomial as below, written for AVX-512: vscalefps multiplies by 2^k (the compiler's
 // version of the bit assembly and the NaN blends cost a fifth of the bf16 backward), and a NaN
 // passes through every step by itself (vmaxps returns its second operand when one is NaN).
@@ -36,8 +45,7 @@ __attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_
                ln2_low = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.0f);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const int64_t left = n - i;
-    const __mmask16 lanes = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+    const __mmask16 lanes = tail_lanes(n - i);
     const __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + i), shift_v);
     const __mmask16 underflow = _mm512_cmp_ps_mask(v, lowest, _CMP_LT_OQ);  // exactly 0, masked (-inf) included
     const __m512 clamped = _mm512_min_ps(highest, _mm512_max_ps(lowest, v));
@@ -67,8 +75,7 @@ __attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_
 float exp_shifted_sum(float* x, int64_t n, float shift) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    const auto isa = tiled::active_isa();
-    if (isa == tiled::ProductIsa::Avx512 || isa == tiled::ProductIsa::Avx512Bf16) return &exp_shifted_sum_avx512;
+    if (wide_vectors()) return &exp_shifted_sum_avx512;
 #endif
     return &exp_shifted_sum_compiled;
   }();
@@ -132,8 +139,7 @@ __attribute__((target("avx512f"))) float max_of_avx512(const float* x, int64_t n
   __m512 best = lowest;
   __mmask16 nan = 0;
   for (int64_t i = 0; i < n; i += 16) {
-    const int64_t left = n - i;
-    const __mmask16 lanes = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+    const __mmask16 lanes = tail_lanes(n - i);
     const __m512 v = _mm512_mask_loadu_ps(lowest, lanes, x + i);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     best = _mm512_max_ps(best, v);
@@ -177,12 +183,8 @@ float max_of(const float* x, int64_t n) {
   // promise, so the lanes carry a NaN flag beside their maxima.
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    switch (tiled::active_isa()) {
-      case tiled::ProductIsa::Avx512:
-      case tiled::ProductIsa::Avx512Bf16: return &max_of_avx512;
-      case tiled::ProductIsa::Avx2: return &max_of_avx2;
-      default: break;
-    }
+    if (wide_vectors()) return &max_of_avx512;
+    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &max_of_avx2;
 #endif
     return &max_of_portable;
   }();
