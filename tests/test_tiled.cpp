@@ -5,6 +5,7 @@
 // B = batch, H = query heads, Hkv = key/value heads, N = queries, S = keys, D = head width.
 #include "support/fixtures.h"
 
+#include "kernels/tiled/kernel.h"
 #include "kernels/tiled/tiled_cpu.h"
 
 #include <gmock/gmock.h>
@@ -39,9 +40,10 @@ Config random_config(std::mt19937& random) {
   c.B = pick({1, 2, 3});
   c.Hkv = pick({1, 2, 3});
   c.H = c.Hkv * pick({1, 1, 2, 4});
-  // Sizes around the block sizes (64 rows, 128 keys) and below them, odd ones included.
+  // Sizes around the block sizes (64 rows, 256 keys) and below them, odd ones included: S <= 256
+  // runs with the probabilities kept from the forward, S > 256 with them recomputed.
   c.N = pick({1, 2, 7, 63, 64, 65, 100, 129, 200});
-  c.S = std::uniform_int_distribution<int>(0, 2)(random) == 0 ? c.N : pick({1, 5, 31, 127, 128, 129, 150, 257});
+  c.S = std::uniform_int_distribution<int>(0, 2)(random) == 0 ? c.N : pick({1, 5, 31, 127, 128, 129, 150, 256, 257, 300});
   c.D = pick({1, 3, 8, 16, 33, 64});
   c.Dv = std::uniform_int_distribution<int>(0, 3)(random) == 0 ? pick({1, 5, 16}) : c.D;
   c.causal = std::uniform_int_distribution<int>(0, 2)(random) == 0;
@@ -263,6 +265,108 @@ TEST(Tiled, BackwardSplitOverKeysMatchesTheMathPath) {
                 Outcome{expected.detach(), mq.grad(), mk.grad(), mv.grad()}, 1e-10, "dropout, keys split");
   }
   at::set_num_threads(previous_threads);
+}
+
+// Up to one key block (S <= Bc) and within a budget the forward keeps the probabilities for the
+// backward; past it the backward recomputes them. Both sides of each boundary against float64 math,
+// with what touches P: causal within a window, key lengths (one sequence empty), a learned mask's
+// gradient, grouped heads, bfloat16.
+TEST(Tiled, KeptAndRecomputedProbabilitiesBothMatchTheMathPath) {
+  using qkv::kernels::tiled::kKeysPerBlock;
+  const auto keeps = [](int64_t B, int64_t H, int64_t N, int64_t S) {
+    qkv::kernels::tiled::Problem<double> problem;
+    problem.B = B, problem.H = H, problem.N = N, problem.S = S;
+    return qkv::kernels::tiled::keeps_probabilities(problem);
+  };
+  struct Variant {
+    std::string name;
+    int64_t B, H, Hkv, N, S, D;
+    bool causal;
+    c10::optional<int64_t> window;
+    bool key_lengths, learned_mask;
+    torch::ScalarType dtype;
+  };
+  std::vector<Variant> variants;
+  for (const int64_t S : {kKeysPerBlock - 1, kKeysPerBlock, kKeysPerBlock + 1}) {
+    const auto at = " S " + std::to_string(S);
+    variants.push_back({"plain" + at, 2, 2, 2, 70, S, 8, false, c10::nullopt, false, false, torch::kDouble});
+    variants.push_back({"causal window 37" + at, 1, 2, 1, S, S, 8, true, 37, false, false, torch::kDouble});
+    variants.push_back({"GQA, key lengths, learned mask" + at, 2, 4, 2, 65, S, 5, false, c10::nullopt, true, true,
+                        torch::kDouble});
+    variants.push_back({"bfloat16 causal" + at, 1, 2, 2, S, S, 16, true, c10::nullopt, false, false, torch::kBFloat16});
+  }
+  // Past the budget at one key block: the probabilities would take more than kKeptProbabilitiesBytes.
+  const int64_t rows_past_budget = qkv::kernels::tiled::kKeptProbabilitiesBytes / (kKeysPerBlock * 8) + 1;
+  variants.push_back({"past the budget", 1, 1, 1, rows_past_budget, kKeysPerBlock, 4, true, c10::nullopt, false, false,
+                      torch::kDouble});
+  for (const auto& c : variants) {
+    SCOPED_TRACE(c.name);
+    // The path each variant is meant to take.
+    EXPECT_EQ(keeps(c.B, c.H, c.N, c.S), c.S <= kKeysPerBlock && c.name != "past the budget");
+    torch::manual_seed(31);
+    auto options = qkv::ScaledDotProductAttentionOptions().causal(c.causal).window(c.window).enable_gqa(c.H != c.Hkv);
+    if (c.key_lengths) options.key_lengths(torch::tensor({c.S - 3, int64_t{0}}, torch::kLong));
+    const auto q = torch::randn({c.B, c.H, c.N, c.D}, torch::kDouble).to(c.dtype);
+    const auto k = torch::randn({c.B, c.Hkv, c.S, c.D}, torch::kDouble).to(c.dtype);
+    const auto v = torch::randn({c.B, c.Hkv, c.S, c.D}, torch::kDouble).to(c.dtype);
+    const auto upstream = torch::randn({c.B, c.H, c.N, c.D}, torch::kDouble).to(c.dtype);
+    const auto bias = c.learned_mask ? torch::randn({c.H, c.N, c.S}, torch::kDouble) : torch::Tensor();
+    auto outcome = [&](AttentionBackend backend, torch::ScalarType dtype) {
+      auto leaf = [&](const torch::Tensor& t) { return t.to(dtype).clone().requires_grad_(true); };
+      auto q_ = leaf(q), k_ = leaf(k), v_ = leaf(v);
+      auto bias_ = c.learned_mask ? bias.clone().requires_grad_(true) : torch::Tensor();
+      auto o = options;
+      if (bias_.defined()) o.mask(bias_);
+      auto result = qkv::scaled_dot_product_attention(q_, k_, v_, o.backend(backend));
+      (result.output * upstream.to(dtype)).sum().backward();
+      return std::make_pair(Outcome{result.output.detach(), q_.grad(), k_.grad(), v_.grad()},
+                            bias_.defined() ? bias_.grad() : torch::Tensor());
+    };
+    const auto [tiled, tiled_bias_grad] = outcome(AttentionBackend::Tiled, c.dtype);
+    const auto [math, math_bias_grad] = outcome(AttentionBackend::Math, torch::kDouble);
+    const double tolerance = c.dtype == torch::kDouble ? 1e-10 : qkv_test::tolerance_for(c.dtype, c.S);
+    expect_same(tiled, math, tolerance, c.name);
+    if (c.learned_mask) {
+      EXPECT_TRUE(qkv_test::tensors_close(tiled_bias_grad, math_bias_grad, tolerance)) << "the mask's gradient";
+    }
+  }
+}
+
+// The output and the gradients come in the layout of the operand they belong to: from (B, N, H, D)
+// storage seen as (B, H, N, D) (the module's head split), (B, N, H, D) storage again, so that
+// joining the heads and the gradients' way back through the split copy nothing; from contiguous
+// operands, contiguous results. An upstream gradient in any layout is read as it comes.
+TEST(Tiled, ResultsTakeTheLayoutOfTheirOperands) {
+  torch::manual_seed(32);
+  const int64_t B = 2, N = 33, H = 4, D = 8;
+  for (const bool split_heads : {true, false}) {
+    SCOPED_TRACE(split_heads ? "(B, N, H, D) storage" : "contiguous (B, H, N, D)");
+    auto leaf = [&] {
+      return (split_heads ? torch::randn({B, N, H, D}, torch::kDouble) : torch::randn({B, H, N, D}, torch::kDouble))
+          .requires_grad_(true);
+    };
+    auto as_heads = [&](const torch::Tensor& t) { return split_heads ? t.transpose(1, 2) : t; };  // (B, H, N, D)
+    const auto q = leaf(), k = leaf(), v = leaf();
+    // The upstream gradient as a transposed view of (B, H, D, N) storage: neither layout above.
+    const auto upstream = torch::randn({B, H, D, N}, torch::kDouble).transpose(2, 3);
+    auto result =
+        qkv::scaled_dot_product_attention(as_heads(q), as_heads(k), as_heads(v),
+                                          qkv::ScaledDotProductAttentionOptions().backend(AttentionBackend::Tiled));
+    const auto output = result.output;
+    EXPECT_TRUE((split_heads ? output.transpose(1, 2) : output).is_contiguous()) << output.strides();
+    output.backward(upstream);
+    for (const auto* operand : {&q, &k, &v}) EXPECT_TRUE(operand->grad().is_contiguous()) << operand->grad().strides();
+
+    auto mq = q.detach().clone().requires_grad_(true), mk = k.detach().clone().requires_grad_(true),
+         mv = v.detach().clone().requires_grad_(true);
+    const auto expected =
+        qkv::scaled_dot_product_attention(as_heads(mq), as_heads(mk), as_heads(mv),
+                                          qkv::ScaledDotProductAttentionOptions().backend(AttentionBackend::Math))
+            .output;
+    expected.backward(upstream);
+    expect_same(Outcome{output.detach(), q.grad(), k.grad(), v.grad()},
+                Outcome{expected.detach(), mq.grad(), mk.grad(), mv.grad()}, 1e-10, "layouts");
+  }
 }
 
 // Central differences in float64 (kernel with GQA, causal N != S, a float mask, a custom scale).

@@ -64,42 +64,78 @@ Matrix4<T> matrix_of(const torch::Tensor& t) {
   return {t.template data_ptr<T>(), t.stride(0), t.stride(1), std::max<int64_t>(row_stride, 1)};
 }
 
-// The forward's outputs: the attention output (B, H, N, Dv) and the rows' log-sum-exp (B, H, N).
-std::pair<torch::Tensor, torch::Tensor> run_forward(const Operands& o, const Settings& settings) {
+// A (B, H, rows, width) result in the layout of `like`, the operand it belongs to: where like's
+// heads sit side by side within each position (a (B, N, H, D) tensor seen through transpose(1, 2),
+// as the module's head split makes them), the same (B, rows, H, width) storage seen the same way,
+// so that joining the heads (or the gradient's way back through the split) needs no copy; else
+// contiguous.
+torch::Tensor empty_in_layout_of(const torch::Tensor& like, int64_t width, const torch::TensorOptions& options) {
+  const int64_t B = like.size(0), H = like.size(1), rows = like.size(2);
+  const bool heads_within_positions = H > 1 && rows > 1 && like.stride(1) < like.stride(2);
+  if (heads_within_positions) return torch::empty({B, rows, H, width}, options).transpose(1, 2);
+  return torch::empty({B, H, rows, width}, options);
+}
+
+template <typename T>
+OutputMatrix4<T> output_of(const torch::Tensor& t) {
+  const auto readable = matrix_of<T>(t);
+  return {t.template data_ptr<T>(), readable.stride_b, readable.stride_h, readable.stride_row};
+}
+
+// The forward's outputs: the attention output (B, H, N, Dv), in q's layout, the rows' log-sum-exp
+// (B, H, N), and, when a backward will follow and the problem is small (keeps_probabilities), the
+// probabilities (B, H, N, S) for it (else an empty tensor).
+struct ForwardResult {
+  torch::Tensor output, lse, probabilities;
+};
+
+ForwardResult run_forward(const Operands& o, const Settings& settings, bool backward_follows) {
   const auto& q = o.q;
-  torch::Tensor out, lse;
+  ForwardResult result;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "qkv_tiled_forward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = problem_of<acc_t>(o, settings);
-    out = torch::empty({p.B, p.H, p.N, p.Dv}, q.options());
-    lse = torch::empty({p.B, p.H, p.N}, q.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    const auto accumulation = q.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    result.output = empty_in_layout_of(q, p.Dv, q.options());
+    result.lse = torch::empty({p.B, p.H, p.N}, accumulation);
+    const bool keep = backward_follows && keeps_probabilities(p);
+    result.probabilities = keep ? torch::empty({p.B, p.H, p.N, p.S}, accumulation) : torch::empty({0}, accumulation);
     forward_blocks<scalar_t, acc_t>(p, matrix_of<scalar_t>(o.q), matrix_of<scalar_t>(o.k), matrix_of<scalar_t>(o.v),
-                                    out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
+                                    output_of<scalar_t>(result.output), result.lse.data_ptr<acc_t>(),
+                                    keep ? result.probabilities.data_ptr<acc_t>() : nullptr);
   });
-  return {out, lse};
+  return result;
 }
 
 struct Gradients {
   torch::Tensor q, k, v, mask;
 };
 
-Gradients run_backward(const Operands& o, const torch::Tensor& out, const torch::Tensor& lse,
-                       const torch::Tensor& grad_out, const Settings& settings, bool want_mask_gradient) {
+// The gradients of q, k, v, each in its operand's layout, and of an additive mask when asked.
+Gradients run_backward(const Operands& o, const ForwardResult& forward, const torch::Tensor& grad_out,
+                       const Settings& settings, bool want_mask_gradient) {
+  const auto& out = forward.output;
+  const auto& lse = forward.lse;
   const auto& q = o.q;
   Gradients grads;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "qkv_tiled_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = problem_of<acc_t>(o, settings);
-    grads.q = torch::empty({p.B, p.H, p.N, p.D}, q.options());
-    grads.k = torch::empty({p.B, p.Hkv, p.S, p.D}, q.options());
-    grads.v = torch::empty({p.B, p.Hkv, p.S, p.Dv}, q.options());
+    grads.q = empty_in_layout_of(o.q, p.D, q.options());
+    grads.k = empty_in_layout_of(o.k, p.D, q.options());
+    grads.v = empty_in_layout_of(o.v, p.Dv, q.options());
     if (want_mask_gradient) grads.mask = torch::zeros({p.B, p.H, p.N, p.S}, lse.options());
-    const auto grad = grad_out.contiguous();
-    backward_blocks<scalar_t, acc_t>(p, matrix_of<scalar_t>(o.q), matrix_of<scalar_t>(o.k),
-                                     matrix_of<scalar_t>(o.v), out.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(),
-                                     lse.data_ptr<acc_t>(), grads.q.data_ptr<scalar_t>(), grads.k.data_ptr<scalar_t>(),
-                                     grads.v.data_ptr<scalar_t>(),
-                                     want_mask_gradient ? grads.mask.data_ptr<acc_t>() : nullptr);
+    // The upstream gradient as it comes (after the module's head join: the output's layout), unless
+    // the kernel cannot read it in place (an expanded gradient of a sum, say).
+    const auto grad = kernel_readable(grad_out) ? grad_out : grad_out.contiguous();
+    Gradients4<scalar_t, acc_t> results{output_of<scalar_t>(grads.q), output_of<scalar_t>(grads.k),
+                                        output_of<scalar_t>(grads.v),
+                                        want_mask_gradient ? grads.mask.data_ptr<acc_t>() : nullptr};
+    backward_blocks<scalar_t, acc_t>(p, matrix_of<scalar_t>(o.q), matrix_of<scalar_t>(o.k), matrix_of<scalar_t>(o.v),
+                                     matrix_of<scalar_t>(out), matrix_of<scalar_t>(grad), lse.data_ptr<acc_t>(),
+                                     forward.probabilities.numel() > 0 ? forward.probabilities.data_ptr<acc_t>()
+                                                                       : nullptr,
+                                     results);
   });
   return grads;
 }
@@ -127,12 +163,12 @@ torch::Tensor math_recomputation(const Operands& o, const Settings& settings) {
 // autograd refuses a backward after any of them was modified in place); the settings through saved_data.
 struct SavedState {
   Operands operands;
-  torch::Tensor output, lse;
+  ForwardResult forward;
   Settings settings;
 
   void save(torch::autograd::AutogradContext* ctx) const {
     const auto& o = operands;
-    ctx->save_for_backward({o.q, o.k, o.v, o.mask, o.key_lengths, output, lse});
+    ctx->save_for_backward({o.q, o.k, o.v, o.mask, o.key_lengths, forward.output, forward.lse, forward.probabilities});
     ctx->saved_data["scale"] = settings.scale;
     ctx->saved_data["dropout"] = settings.dropout;
     ctx->saved_data["causal"] = settings.causal;
@@ -145,7 +181,7 @@ struct SavedState {
     SavedState state;
     auto& o = state.operands;
     o.q = saved[0], o.k = saved[1], o.v = saved[2], o.mask = saved[3], o.key_lengths = saved[4];
-    state.output = saved[5], state.lse = saved[6];
+    state.forward.output = saved[5], state.forward.lse = saved[6], state.forward.probabilities = saved[7];
     state.settings.scale = ctx->saved_data["scale"].toDouble();
     state.settings.dropout = ctx->saved_data["dropout"].toDouble();
     state.settings.causal = ctx->saved_data["causal"].toBool();
@@ -158,20 +194,23 @@ struct SavedState {
 class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFunction> {
  public:
   // The inputs in this order, so that the backward returns one gradient per input.
-  enum Input { kQuery, kKey, kValue, kMask, kKeyLengths, kScale, kCausal, kWindow, kDropout, kSeed, kInputs };
+  enum Input {
+    kQuery, kKey, kValue, kMask, kKeyLengths, kScale, kCausal, kWindow, kDropout, kSeed, kBackwardFollows, kInputs
+  };
 
   // q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), mask (B, H, N, S) view or empty,
   // key_lengths (B,) or empty, all from normalise_operands. Returns the output (B, H, N, Dv).
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const torch::Tensor& mask, const torch::Tensor& key_lengths,
-                               double scale, bool causal, int64_t window, double dropout, int64_t seed) {
+                               double scale, bool causal, int64_t window, double dropout, int64_t seed,
+                               bool backward_follows) {
     SavedState state;
     state.operands.q = q, state.operands.k = k, state.operands.v = v;
     state.operands.mask = mask, state.operands.key_lengths = key_lengths;
     state.settings = Settings{scale, dropout, causal, window, static_cast<uint64_t>(seed)};
-    std::tie(state.output, state.lse) = run_forward(state.operands, state.settings);
+    state.forward = run_forward(state.operands, state.settings, backward_follows);
     state.save(ctx);
-    return state.output;
+    return state.forward.output;
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
@@ -184,7 +223,7 @@ class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFu
     }
     const bool mask_gradient = ctx->needs_input_grad(kMask) && o.mask.is_floating_point();
     torch::autograd::tensor_list grads(kInputs);
-    auto computed = run_backward(o, state.output, state.lse, grad_outputs[0], state.settings, mask_gradient);
+    auto computed = run_backward(o, state.forward, grad_outputs[0], state.settings, mask_gradient);
     grads[kQuery] = computed.q, grads[kKey] = computed.k, grads[kValue] = computed.v;
     if (mask_gradient) grads[kMask] = computed.mask;
     return grads;
@@ -231,10 +270,14 @@ AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::T
               q.scalar_type(), " on ", q.device());
   const auto operands = tiled::normalise_operands(q, k, v, options);
   const double dropout = options.training() ? options.dropout() : 0.0;
+  // Whether autograd will record this call (inside the Function's forward grad mode is off).
+  const bool backward_follows =
+      torch::GradMode::is_enabled() && (operands.q.requires_grad() || operands.k.requires_grad() ||
+                                        operands.v.requires_grad() || operands.mask.requires_grad());
   auto output = tiled::TiledAttentionFunction::apply(operands.q, operands.k, operands.v, operands.mask,
                                                      operands.key_lengths, resolved_scale(options, q.size(-1)),
                                                      options.causal(), options.window().value_or(0), dropout,
-                                                     static_cast<int64_t>(seed));
+                                                     static_cast<int64_t>(seed), backward_follows);
   AttentionResult result;
   result.output = output.reshape(operands.output_shape);
   result.backend = AttentionBackend::Tiled;

@@ -1,7 +1,8 @@
 // The tiled kernel's backward pass. Each task owns one key/value head (and so the dK, dV of all
 // its keys and the dQ of the G query heads that share it), or, with fewer heads than threads, a
 // part of its keys (their dK, dV, and a partial dQ summed at the end); for every key block it
-// recomputes the probabilities P = exp(S - L) block by block from the forward's L and accumulates
+// recomputes the probabilities P = exp(S - L) block by block from the forward's L (or reads them,
+// where the forward kept them: keeps_probabilities in kernel.h) and accumulates
 // dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K with dS = P ⊙ (dO Vᵀ - rowsum(dO ⊙ O)). Tasks run under
 // at::parallel_for with per-thread scratch and no atomics. Asked for it, it also writes dS itself:
 // the gradient of an additive mask (a learned bias).
@@ -67,8 +68,9 @@ class KeySplit {
 
 template <typename scalar_t, typename acc_t>
 void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
-                     const Matrix4<scalar_t>& v, const scalar_t* out, const scalar_t* grad_out, const acc_t* lse,
-                     scalar_t* grad_q, scalar_t* grad_k, scalar_t* grad_v, acc_t* grad_scores) {
+                     const Matrix4<scalar_t>& v, const Matrix4<scalar_t>& out, const Matrix4<scalar_t>& grad_out,
+                     const acc_t* lse, const acc_t* probabilities, const Gradients4<scalar_t, acc_t>& grads) {
+  acc_t* const grad_scores = grads.scores;
   const int64_t G = p.groups();
   const int64_t row_blocks = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
   const KeySplit split(p);
@@ -78,7 +80,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
   if (split.parts() > 1) partial_grad_q.resize(static_cast<size_t>(heads * split.parts() * G * p.N * p.D));
   at::parallel_for(0, heads * split.parts(), tasks_per_chunk(p, p.groups() * p.N), [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas single_threaded;
-    std::vector<acc_t> probabilities(kRowsPerBlock * kKeysPerBlock), grad_probabilities(kRowsPerBlock * kKeysPerBlock),
+    std::vector<acc_t> recomputed(kRowsPerBlock * kKeysPerBlock), grad_probabilities(kRowsPerBlock * kKeysPerBlock),
         dropped(kRowsPerBlock * kKeysPerBlock), grad_k_block, grad_v_block, grad_q_all, delta;
     std::vector<uint8_t> keep(kKeysPerBlock);
     grad_k_block.resize(static_cast<size_t>(kKeysPerBlock * p.D));
@@ -102,8 +104,8 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
         for (int64_t i = 0; i < p.N; ++i) {
-          const scalar_t* o_row = out + ((b * p.H + h) * p.N + i) * p.Dv;
-          const scalar_t* go_row = grad_out + ((b * p.H + h) * p.N + i) * p.Dv;
+          const scalar_t* o_row = out.rows(b, h, i);
+          const scalar_t* go_row = grad_out.rows(b, h, i);
           acc_t sum = 0;
           for (int64_t d = 0; d < p.Dv; ++d) sum += static_cast<acc_t>(o_row[d]) * static_cast<acc_t>(go_row[d]);
           delta[g * p.N + i] = sum;
@@ -112,16 +114,16 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
       const int64_t key_end = p.key_limit(b, p.N);
       for (int64_t j0 = split.first_key(part); j0 < split.end_key(part); j0 += kKeysPerBlock) {
         const int64_t cols = std::min(kKeysPerBlock, p.S - j0);
-        scalar_t* gk = grad_k + ((b * p.Hkv + kv_head) * p.S + j0) * p.D;
-        scalar_t* gv = grad_v + ((b * p.Hkv + kv_head) * p.S + j0) * p.Dv;
         if (j0 >= key_end) {  // keys no row attends to: zero gradients
-          std::fill(gk, gk + cols * p.D, scalar_t(0));
-          std::fill(gv, gv + cols * p.Dv, scalar_t(0));
+          for (int64_t c = 0; c < cols; ++c) {
+            std::fill_n(grads.k.rows(b, kv_head, j0 + c), p.D, scalar_t(0));
+            std::fill_n(grads.v.rows(b, kv_head, j0 + c), p.Dv, scalar_t(0));
+          }
           continue;
         }
         const scalar_t* k_rows = k.rows(b, kv_head, j0);
         const scalar_t* v_rows = v.rows(b, kv_head, j0);
-        keys_transposed.prepare({k_rows, 1, k.stride_row}, p.D, cols);
+        if (probabilities == nullptr) keys_transposed.prepare({k_rows, 1, k.stride_row}, p.D, cols);
         values_transposed.prepare({v_rows, 1, v.stride_row}, p.Dv, cols);
         keys.prepare({k_rows, k.stride_row, 1}, cols, p.D);
         std::fill(grad_k_block.begin(), grad_k_block.end(), acc_t(0));
@@ -134,35 +136,41 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
           for (int64_t i0 = p.row_begin(j0); i0 < row_end; i0 += kRowsPerBlock) {
             const int64_t rows = std::min(kRowsPerBlock, p.N - i0);
             const Strided<scalar_t> q_rows{q.rows(b, h, i0), q.stride_row, 1};
-            const Strided<scalar_t> go_rows{grad_out + ((b * p.H + h) * p.N + i0) * p.Dv, p.Dv, 1};
+            const Strided<scalar_t> go_rows{grad_out.rows(b, h, i0), grad_out.stride_row, 1};
             const int64_t rows_index = g * row_blocks + i0 / kRowsPerBlock;
             if (!rows_packed[rows_index]) {
               queries[rows_index].prepare(q_rows, rows, p.D);
               grad_outputs[rows_index].prepare(go_rows, rows, p.Dv);
               rows_packed[rows_index] = true;
             }
-            // P = exp(S - L): the forward's probabilities, recomputed.
-            keys_transposed.multiply_into(q_rows, rows, p.scale, acc_t(0), probabilities.data(), cols);
-            p.apply_masks(b, h, i0, rows, j0, cols, probabilities.data(), cols);
-            for (int64_t r = 0; r < rows; ++r) {
-              const acc_t row_lse = lse[(b * p.H + h) * p.N + i0 + r];
-              acc_t* row = probabilities.data() + r * cols;
-              if (row_lse == std::numeric_limits<acc_t>::infinity()) {  // a row with no key: P = 0
-                std::fill(row, row + cols, acc_t(0));
-              } else {
-                exp_shifted_sum(row, cols, row_lse);
+            // P = exp(S - L): the forward's probabilities, kept (one key block: j0 = 0, cols = S)
+            // or recomputed.
+            const acc_t* block_p = recomputed.data();
+            if (probabilities != nullptr) {
+              block_p = probabilities + ((b * p.H + h) * p.N + i0) * p.S;
+            } else {
+              keys_transposed.multiply_into(q_rows, rows, p.scale, acc_t(0), recomputed.data(), cols);
+              p.apply_masks(b, h, i0, rows, j0, cols, recomputed.data(), cols);
+              for (int64_t r = 0; r < rows; ++r) {
+                const acc_t row_lse = lse[(b * p.H + h) * p.N + i0 + r];
+                acc_t* row = recomputed.data() + r * cols;
+                if (row_lse == std::numeric_limits<acc_t>::infinity()) {  // a row with no key: P = 0
+                  std::fill(row, row + cols, acc_t(0));
+                } else {
+                  exp_shifted_sum(row, cols, row_lse);
+                }
               }
             }
             // dP = dO Vᵀ
             values_transposed.multiply_into(go_rows, rows, acc_t(1), acc_t(0), grad_probabilities.data(), cols);
             // The forward multiplied P by Z / (1 - p) (Z: the kept pairs): V's gradient takes that
             // product, and dP the same factor.
-            const acc_t* value_weights = probabilities.data();
+            const acc_t* value_weights = block_p;
             if (p.dropout.active()) {
               const acc_t kept = static_cast<acc_t>(p.dropout.scale());
               for (int64_t r = 0; r < rows; ++r) {
                 p.dropout.keep(b * p.H + h, i0 + r, j0, cols, keep.data());
-                const acc_t* row_p = probabilities.data() + r * cols;
+                const acc_t* row_p = block_p + r * cols;
                 acc_t* row_dropped = dropped.data() + r * cols;
                 acc_t* row_dp = grad_probabilities.data() + r * cols;
                 for (int64_t c = 0; c < cols; ++c) {
@@ -177,7 +185,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
                                                    grad_v_block.data(), p.Dv);
             // dS = P ⊙ (dP - D_i), in place of dP.
             for (int64_t r = 0; r < rows; ++r) {
-              softmax_backward(probabilities.data() + r * cols, grad_probabilities.data() + r * cols, cols,
+              softmax_backward(block_p + r * cols, grad_probabilities.data() + r * cols, cols,
                                delta[g * p.N + i0 + r]);
             }
             if (grad_scores != nullptr) {  // dS is the additive mask's gradient, as it is the scores'
@@ -194,15 +202,17 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
                                p.D);
           }
         }
-        for (int64_t n = 0; n < cols * p.D; ++n) gk[n] = static_cast<scalar_t>(grad_k_block[n]);
-        for (int64_t n = 0; n < cols * p.Dv; ++n) gv[n] = static_cast<scalar_t>(grad_v_block[n]);
+        for (int64_t c = 0; c < cols; ++c) {
+          std::copy_n(grad_k_block.data() + c * p.D, p.D, grads.k.rows(b, kv_head, j0 + c));
+          std::copy_n(grad_v_block.data() + c * p.Dv, p.Dv, grads.v.rows(b, kv_head, j0 + c));
+        }
       }
       if (split.parts() > 1) continue;  // dQ once every part is done
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
-        scalar_t* gq = grad_q + (b * p.H + h) * p.N * p.D;
-        const acc_t* source = grad_q_rows + g * p.N * p.D;
-        for (int64_t n = 0; n < p.N * p.D; ++n) gq[n] = static_cast<scalar_t>(source[n]);
+        for (int64_t i = 0; i < p.N; ++i) {
+          std::copy_n(grad_q_rows + (g * p.N + i) * p.D, p.D, grads.q.rows(b, h, i));
+        }
       }
     }
   });
@@ -212,8 +222,10 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
   const int64_t values_per_head = G * p.N * p.D;
   at::parallel_for(0, heads * G * p.N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
+      // Query head b·H + h and its row i.
       const int64_t head = row / (G * p.N), offset = (row % (G * p.N)) * p.D;
-      scalar_t* gq = grad_q + head * values_per_head + offset;
+      const int64_t query_head = head * G + (row % (G * p.N)) / p.N, i = row % p.N;
+      scalar_t* gq = grads.q.rows(query_head / p.H, query_head % p.H, i);
       for (int64_t d = 0; d < p.D; ++d) {
         acc_t sum = 0;
         for (int64_t part = 0; part < split.parts(); ++part) {
@@ -225,15 +237,14 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
   });
 }
 
-template void backward_blocks<float, float>(const Problem<float>&, const Matrix4<float>&, const Matrix4<float>&,
-                                            const Matrix4<float>&, const float*, const float*, const float*, float*,
-                                            float*, float*, float*);
-template void backward_blocks<double, double>(const Problem<double>&, const Matrix4<double>&,
-                                              const Matrix4<double>&, const Matrix4<double>&, const double*,
-                                              const double*, const double*, double*, double*, double*, double*);
-template void backward_blocks<c10::BFloat16, float>(const Problem<float>&, const Matrix4<c10::BFloat16>&,
-                                                    const Matrix4<c10::BFloat16>&, const Matrix4<c10::BFloat16>&,
-                                                    const c10::BFloat16*, const c10::BFloat16*, const float*,
-                                                    c10::BFloat16*, c10::BFloat16*, c10::BFloat16*, float*);
+#define QKV_INSTANTIATE_BACKWARD(scalar_t, acc_t)                                                                 \
+  template void backward_blocks<scalar_t, acc_t>(const Problem<acc_t>&, const Matrix4<scalar_t>&,                  \
+                                                 const Matrix4<scalar_t>&, const Matrix4<scalar_t>&,               \
+                                                 const Matrix4<scalar_t>&, const Matrix4<scalar_t>&, const acc_t*, \
+                                                 const acc_t*, const Gradients4<scalar_t, acc_t>&);
+QKV_INSTANTIATE_BACKWARD(float, float)
+QKV_INSTANTIATE_BACKWARD(double, double)
+QKV_INSTANTIATE_BACKWARD(c10::BFloat16, float)
+#undef QKV_INSTANTIATE_BACKWARD
 
 }  // namespace qkv::kernels::tiled

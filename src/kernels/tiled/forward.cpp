@@ -58,7 +58,8 @@ class PackedHead {
 
 template <typename scalar_t, typename acc_t>
 void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
-                    const Matrix4<scalar_t>& v, scalar_t* out, acc_t* lse) {
+                    const Matrix4<scalar_t>& v, const OutputMatrix4<scalar_t>& out, acc_t* lse,
+                    acc_t* probabilities) {
   const int64_t row_blocks = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t key_blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
   const int64_t tasks = p.B * p.H * row_blocks;
@@ -82,6 +83,10 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
       std::fill(accumulator.begin(), accumulator.end(), acc_t(0));
       const int64_t key_end = p.key_limit(b, i0 + rows);
+      // Kept probabilities: the rows' pairs outside their one key block (or every pair of a row
+      // that attends to nothing) are 0.
+      acc_t* kept_rows = probabilities != nullptr ? probabilities + ((b * p.H + h) * p.N + i0) * p.S : nullptr;
+      if (kept_rows != nullptr) std::fill(kept_rows, kept_rows + rows * p.S, acc_t(0));
       for (int64_t j0 = p.key_begin(i0); j0 < key_end; j0 += kKeysPerBlock) {  // a window skips older keys
         const int64_t cols = std::min(kKeysPerBlock, key_end - j0);
         // Whole blocks are packed once and reused; a causal or length-limited last block (narrower
@@ -110,6 +115,11 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           row_sum[r] = row_sum[r] * correction + sum;
           row_max[r] = new_max;
           if (correction != acc_t(1)) scale(accumulator.data() + r * p.Dv, p.Dv, correction);
+          if (kept_rows != nullptr) {  // one key block (keeps_probabilities): this row's sum is final
+            acc_t* kept = kept_rows + r * p.S + j0;
+            const acc_t inverse = acc_t(1) / row_sum[r];
+            for (int64_t c = 0; c < cols; ++c) kept[c] = row[c] * inverse;
+          }
           if (p.dropout.active()) {
             p.dropout.keep(b * p.H + h, i0 + r, j0, cols, keep.data());
             const acc_t kept = static_cast<acc_t>(p.dropout.scale());
@@ -122,7 +132,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
-        scalar_t* out_row = out + ((b * p.H + h) * p.N + i) * p.Dv;
+        scalar_t* out_row = out.rows(b, h, i);
         const bool dead = row_sum[r] == acc_t(0);
         const acc_t inverse = dead ? acc_t(0) : acc_t(1) / row_sum[r];
         for (int64_t d = 0; d < p.Dv; ++d) out_row[d] = static_cast<scalar_t>(accumulator[r * p.Dv + d] * inverse);
@@ -134,11 +144,12 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
 }
 
 template void forward_blocks<float, float>(const Problem<float>&, const Matrix4<float>&, const Matrix4<float>&,
-                                           const Matrix4<float>&, float*, float*);
+                                           const Matrix4<float>&, const OutputMatrix4<float>&, float*, float*);
 template void forward_blocks<double, double>(const Problem<double>&, const Matrix4<double>&, const Matrix4<double>&,
-                                             const Matrix4<double>&, double*, double*);
+                                             const Matrix4<double>&, const OutputMatrix4<double>&,
+                                             double*, double*);
 template void forward_blocks<c10::BFloat16, float>(const Problem<float>&, const Matrix4<c10::BFloat16>&,
                                                    const Matrix4<c10::BFloat16>&, const Matrix4<c10::BFloat16>&,
-                                                   c10::BFloat16*, float*);
+                                                   const OutputMatrix4<c10::BFloat16>&, float*, float*);
 
 }  // namespace qkv::kernels::tiled

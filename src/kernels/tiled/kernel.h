@@ -29,6 +29,16 @@ struct Matrix4 {
   }
 };
 
+/// A 4-D result (B, H, rows, width) the kernel writes, laid out as Matrix4: the output and the
+/// gradients take the layout of the operand they belong to (operands.cpp), so that the module's
+/// head split and join, (B, N, H, D) views, cost no copy in either direction.
+template <typename T>
+struct OutputMatrix4 {
+  T* data = nullptr;
+  int64_t stride_b = 0, stride_h = 0, stride_row = 0;
+  T* rows(int64_t b, int64_t h, int64_t row) const { return data + b * stride_b + h * stride_h + row * stride_row; }
+};
+
 /// The general mask, broadcast to (B, H, N, S) by strides (0 where it broadcasts): bool (true =
 /// attend) or additive values in the accumulation type.
 template <typename acc_t>
@@ -109,19 +119,45 @@ int64_t tasks_per_chunk(const Problem<acc_t>& p, int64_t rows_per_task) {
   return std::max<int64_t>(1, static_cast<int64_t>(kFlopsPerChunk / std::max(flops, 1.0)));
 }
 
-/// Forward: out (B, H, N, Dv) contiguous and the rows' log-sum-exp lse (B, H, N) (+inf for a row
-/// with no key). Instantiated for (float, float), (double, double), (BFloat16, float).
+/// The most bytes of probabilities (B, H, N, S) a forward keeps for its backward.
+constexpr int64_t kKeptProbabilitiesBytes = int64_t{32} << 20;
+
+/// Whether the forward keeps the probabilities P for the backward instead of the backward
+/// recomputing them: when every row's keys fit one key block (S <= Bc: the forward's P of a row is
+/// final after its one block, and keeping it spares the backward a product, the exponentials and
+/// a packing per head: a quarter of a small problem's time) and P is small beside what the
+/// caller's autograd graph keeps anyway (at most kKeptProbabilitiesBytes).
+template <typename acc_t>
+bool keeps_probabilities(const Problem<acc_t>& p) {
+  const double bytes = static_cast<double>(p.B) * static_cast<double>(p.H) * static_cast<double>(p.N) *
+                       static_cast<double>(p.S) * sizeof(acc_t);
+  return p.S <= kKeysPerBlock && bytes <= static_cast<double>(kKeptProbabilitiesBytes);
+}
+
+/// Forward: out (B, H, N, Dv) and the rows' log-sum-exp lse (B, H, N) contiguous (+inf for a row
+/// with no key); where `probabilities` is not null (keeps_probabilities), also P (B, H, N, S)
+/// contiguous, before dropout, 0 for masked pairs. Instantiated for (float, float), (double,
+/// double), (BFloat16, float).
 template <typename scalar_t, typename acc_t>
 void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
-                    const Matrix4<scalar_t>& v, scalar_t* out, acc_t* lse);
+                    const Matrix4<scalar_t>& v, const OutputMatrix4<scalar_t>& out, acc_t* lse,
+                    acc_t* probabilities);
 
-/// Backward: grad_q (B, H, N, D), grad_k (B, Hkv, S, D), grad_v (B, Hkv, S, Dv), contiguous, from
-/// out and grad_out (B, H, N, Dv) contiguous and the forward's lse. When grad_scores is not null it
-/// receives dS, the gradient of the scores after the mask (B, H, N, S) contiguous, which is the
-/// gradient of an additive mask before broadcasting; it must be zero-filled on entry.
+/// The backward's results: grad_q (B, H, N, D), grad_k (B, Hkv, S, D), grad_v (B, Hkv, S, Dv); when
+/// scores is not null it receives dS, the gradient of the scores after the mask (B, H, N, S)
+/// contiguous, which is the gradient of an additive mask before broadcasting; it must be
+/// zero-filled on entry.
+template <typename scalar_t, typename acc_t>
+struct Gradients4 {
+  OutputMatrix4<scalar_t> q, k, v;
+  acc_t* scores = nullptr;
+};
+
+/// Backward: the gradients from out and grad_out (B, H, N, Dv) and the forward's lse, or its
+/// probabilities where it kept them (else null).
 template <typename scalar_t, typename acc_t>
 void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
-                     const Matrix4<scalar_t>& v, const scalar_t* out, const scalar_t* grad_out, const acc_t* lse,
-                     scalar_t* grad_q, scalar_t* grad_k, scalar_t* grad_v, acc_t* grad_scores);
+                     const Matrix4<scalar_t>& v, const Matrix4<scalar_t>& out, const Matrix4<scalar_t>& grad_out,
+                     const acc_t* lse, const acc_t* probabilities, const Gradients4<scalar_t, acc_t>& grads);
 
 }  // namespace qkv::kernels::tiled
