@@ -66,6 +66,69 @@ TEST(GroupedQuery, KeyAndValueProjectionsHaveKvHeadsWidth) {
   EXPECT_EQ(documents->W_k->weight.sizes(), (std::vector<int64_t>{8, 8}));
 }
 
+// Self-attention multiplies by W_q, W_k, W_v in one product: for training with many rows on the
+// matrices gathered (autograd splits the gradient), for inference on the parameters as reset()
+// laid them, side by side in one storage; few rows in training, and parameters moved apart (a clone),
+// take three products. Every way against the projections written out by hand, with every gradient.
+TEST(GroupedQuery, OneProjectionProductOrThreeGiveTheSameResultsAndGradients) {
+  torch::manual_seed(12);
+  const int64_t E = 32, H = 4, Hkv = 2, D = E / H;
+  qkv::SelfAttention together(
+      qkv::SelfAttentionOptions(E).num_heads(H).num_kv_heads(Hkv).causal(true).out_proj(true));
+  auto apart = std::dynamic_pointer_cast<qkv::SelfAttentionImpl>(together->clone());
+  ASSERT_TRUE(apart);
+  EXPECT_TRUE(together->W_k->weight.is_alias_of(together->W_q->weight));  // one storage
+  EXPECT_FALSE(apart->W_k->weight.is_alias_of(apart->W_q->weight));
+  // softmax(Q Kᵀ / √D + causal) V per head, from three separate products, joined, then W_o.
+  const auto by_hand = [&](const torch::Tensor& x) {
+    namespace F = torch::nn::functional;
+    const auto heads = [&](const torch::Tensor& t, int64_t h) {
+      return t.view({t.size(0), t.size(1), h, D}).transpose(1, 2);
+    };
+    const auto q = heads(F::linear(x, together->W_q->weight, together->W_q->bias), H);
+    const auto k = heads(F::linear(x, together->W_k->weight, together->W_k->bias), Hkv).repeat_interleave(H / Hkv, 1);
+    const auto v = heads(F::linear(x, together->W_v->weight, together->W_v->bias), Hkv).repeat_interleave(H / Hkv, 1);
+    const int64_t N = x.size(1);
+    const auto future = torch::ones({N, N}, torch::kBool).triu(1);
+    const auto scores = torch::matmul(q, k.transpose(-2, -1)).div(std::sqrt(static_cast<double>(D)));
+    const auto joined = torch::matmul(torch::softmax(scores.masked_fill(future, -INFINITY), -1), v)
+                            .transpose(1, 2)
+                            .reshape({x.size(0), N, E});
+    return F::linear(joined, together->W_o->weight, together->W_o->bias);
+  };
+  for (const int64_t N : {5, 70}) {  // 15 rows: three products; 210: one, on the gathered matrices
+    SCOPED_TRACE("N = " + std::to_string(N));
+    const auto x = torch::randn({3, N, E});
+    const auto upstream = torch::randn({3, N, E});
+    std::vector<torch::Tensor> expected_grads, actual_grads;
+    for (auto* grads : {&expected_grads, &actual_grads}) {
+      together->zero_grad();
+      auto input = x.clone().requires_grad_(true);
+      const auto output = grads == &expected_grads ? by_hand(input) : together(input);
+      (output * upstream).sum().backward();
+      grads->push_back(input.grad().clone());
+      for (const auto& parameter : together->parameters()) grads->push_back(parameter.grad().clone());
+    }
+    // Relative to the largest gradient: W_k's bias has none in exact arithmetic (it shifts a row's
+    // scores all alike), only rounding.
+    double scale = 0;
+    for (const auto& grad : expected_grads) scale = std::max(scale, qkv_test::max_abs(grad));
+    for (size_t i = 0; i < expected_grads.size(); ++i) {
+      EXPECT_TRUE(qkv_test::tensors_close(actual_grads[i], expected_grads[i], 1e-5, scale)) << "gradient " << i;
+    }
+    torch::NoGradGuard no_grad;
+    const auto expected = by_hand(x);
+    EXPECT_TRUE(qkv_test::tensors_close(together(x), expected, 1e-5)) << "inference, one product";
+    EXPECT_TRUE(qkv_test::tensors_close(apart->forward(x), expected, 1e-5)) << "inference, three products";
+    for (auto* module : {together.ptr().get(), apart.get()}) {
+      auto cache = module->make_cache(3, N);
+      const auto prompt = module->forward_with_cache(x.narrow(1, 0, N - 1), cache);
+      const auto last = module->forward_with_cache(x.narrow(1, N - 1, 1), cache);
+      EXPECT_TRUE(qkv_test::tensors_close(torch::cat({prompt, last}, 1), expected, 1e-5)) << "cached decoding";
+    }
+  }
+}
+
 // ---- Cached decoding equals one causal forward over the whole sequence ----
 
 struct CacheCase {

@@ -84,6 +84,10 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
  private:
   /// The module's options as the attention core's (no mask: the caller adds it).
   ScaledDotProductAttentionOptions attention_options(bool need_weights) const;
+
+  /// Self-attention's three projections of x (…, E) in one matrix product: (x W_qᵀ + b_q,
+  /// x W_kᵀ + b_k, x W_vᵀ + b_v) as views of one (…, E + 2·Hkv·D) result.
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> project_self(const torch::Tensor& x) const;
 };
 
 TORCH_MODULE(SelfAttention);
