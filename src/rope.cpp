@@ -2,6 +2,9 @@
 // an angle proportional to its position, so that q·k depends on the positions' difference only.
 #include "rope.h"
 
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 namespace qkv::detail {
@@ -23,7 +26,10 @@ RopeTable rope_table(int64_t offset, int64_t positions, int64_t head_dim, double
   return {angles.cos().to(table_dtype), angles.sin().to(table_dtype)};
 }
 
-torch::Tensor apply_rope(const torch::Tensor& x, const RopeTable& table) {
+namespace {
+
+// The rotation as LibTorch operations (any device, dtype and rank).
+torch::Tensor rotate_by_operations(const torch::Tensor& x, const RopeTable& table) {
   const int64_t half = x.size(-1) / 2;
   const bool reduced = half_precision(x.scalar_type());
   const auto input = reduced ? x.to(torch::kFloat) : x;
@@ -31,6 +37,87 @@ torch::Tensor apply_rope(const torch::Tensor& x, const RopeTable& table) {
   const auto x2 = input.narrow(-1, half, half);  // (..., N, D/2)
   auto rotated = torch::cat({x1 * table.cos - x2 * table.sin, x2 * table.cos + x1 * table.sin}, /*dim=*/-1);
   return reduced ? rotated.to(x.scalar_type()) : rotated;  // (..., N, D)
+}
+
+// An empty (B, H, N, D) tensor in x's layout: (B, N, H, D) storage where x's heads sit side by side
+// within each position (the module's head split), else contiguous; so that the attention kernel
+// and the way back through the split find the layout they copy nothing for.
+torch::Tensor empty_like_heads(const torch::Tensor& x) {
+  if (x.size(1) > 1 && x.size(2) > 1 && x.stride(1) < x.stride(2)) {
+    return torch::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
+  }
+  return torch::empty(x.sizes(), x.options());
+}
+
+// One pass over x (B, H, N, D), unit stride along D: out = [x1 cos - s·x2 sin, x2 cos + s·x1 sin]
+// with the sign s = ±1 (-1: the inverse rotation, which is the rotation's transpose), in the
+// table's precision (float32 for half types).
+torch::Tensor rotate_in_one_pass(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 double sign) {
+  auto out = empty_like_heads(x);
+  const int64_t B = x.size(0), H = x.size(1), N = x.size(2), half = x.size(3) / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qkv_rope", [&] {
+    using table_t = at::opmath_type<scalar_t>;
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* to = out.data_ptr<scalar_t>();
+    const table_t* cos_rows = cos.data_ptr<table_t>();
+    const table_t* sin_rows = sin.data_ptr<table_t>();
+    const auto in_strides = x.strides(), out_strides = out.strides();
+    const table_t s = static_cast<table_t>(sign);
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(2 * half, 1));
+    at::parallel_for(0, B * H * N, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t n = row % N, h = (row / N) % H, b = row / (N * H);
+        const scalar_t* from = in + b * in_strides[0] + h * in_strides[1] + n * in_strides[2];
+        scalar_t* into = to + b * out_strides[0] + h * out_strides[1] + n * out_strides[2];
+        const table_t* c = cos_rows + n * half;
+        const table_t* sn = sin_rows + n * half;
+        for (int64_t i = 0; i < half; ++i) {
+          const auto x1 = static_cast<table_t>(from[i]), x2 = static_cast<table_t>(from[i + half]);
+          const table_t rotated_sin = s * sn[i];
+          into[i] = static_cast<scalar_t>(x1 * c[i] - x2 * rotated_sin);
+          into[i + half] = static_cast<scalar_t>(x2 * c[i] + x1 * rotated_sin);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// The one-pass rotation for autograd: its gradient is the inverse rotation of the upstream
+// gradient, itself this function, so gradients of gradients are recorded too.
+class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& cos,
+                               const torch::Tensor& sin, double sign) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["sign"] = sign;
+    return rotate_in_one_pass(x, cos, sin, sign);
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const double sign = ctx->saved_data["sign"].toDouble();
+    auto grad = grad_outputs[0];
+    if (grad.stride(-1) != 1) grad = grad.contiguous();
+    return {RotaryFunction::apply(grad, saved[0], saved[1], -sign), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor apply_rope(const torch::Tensor& x, const RopeTable& table) {
+  // The one-pass kernel on the CPU for (B, H, N, D) with unit stride along D and a table of one
+  // row per position in its precision; anything else by LibTorch operations.
+  const auto table_type = half_precision(x.scalar_type()) ? torch::kFloat : x.scalar_type();
+  const bool one_pass = x.device().is_cpu() && x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0 &&
+                        table.cos.scalar_type() == table_type && table.sin.scalar_type() == table_type &&
+                        table.cos.dim() == 2 && table.cos.size(0) == x.size(2) && table.cos.size(1) == x.size(3) / 2 &&
+                        table.sin.sizes() == table.cos.sizes() && !table.cos.requires_grad() &&
+                        !table.sin.requires_grad();
+  if (!one_pass) return rotate_by_operations(x, table);
+  return RotaryFunction::apply(x, table.cos.contiguous(), table.sin.contiguous(), 1.0);
 }
 
 torch::Tensor apply_rope(const torch::Tensor& x, int64_t offset, double base) {

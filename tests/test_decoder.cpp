@@ -3,6 +3,8 @@
 // LibTorch's containers, and misused.
 #include "support/fixtures.h"
 
+#include "rope.h"
+
 #include <gmock/gmock.h>
 
 #include <unistd.h>
@@ -127,6 +129,61 @@ TEST(GroupedQuery, OneProjectionProductOrThreeGiveTheSameResultsAndGradients) {
       EXPECT_TRUE(qkv_test::tensors_close(torch::cat({prompt, last}, 1), expected, 1e-5)) << "cached decoding";
     }
   }
+}
+
+// RoPE's one-pass rotation (the CPU, (B, H, N, D) with unit stride along D) against the rotation
+// written out by hand, in the layouts the module hands it (heads split from (B, N, H, D) storage,
+// contiguous, a table narrowed to later positions), in bfloat16, with gradients and gradients of
+// gradients; and the shapes it leaves to LibTorch's operations (3-D) give the same.
+TEST(RotaryPositions, OnePassRotationEqualsTheRotationByHand) {
+  torch::manual_seed(13);
+  const int64_t B = 2, H = 3, N = 9, D = 8, half = D / 2;
+  const auto table = qkv::detail::rope_table(/*offset=*/0, N + 5, D, 10000.0, torch::kDouble, torch::kCPU);
+  const auto by_hand = [&](const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    const auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
+    return torch::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
+  };
+  for (const bool split_heads : {true, false}) {
+    for (const int64_t offset : {int64_t{0}, int64_t{5}}) {
+      SCOPED_TRACE(std::string(split_heads ? "split heads" : "contiguous") + ", offset " + std::to_string(offset));
+      const qkv::detail::RopeTable rows{table.cos.narrow(0, offset, N), table.sin.narrow(0, offset, N)};
+      auto storage = (split_heads ? torch::randn({B, N, H, D}, torch::kDouble) : torch::randn({B, H, N, D}, torch::kDouble))
+                         .requires_grad_(true);
+      const auto x = split_heads ? storage.transpose(1, 2) : storage;  // (B, H, N, D)
+      const auto upstream = torch::randn({B, H, N, D}, torch::kDouble);
+      const auto rotated = qkv::detail::apply_rope(x, rows);
+      const auto expected = by_hand(x, rows.cos, rows.sin);
+      EXPECT_TRUE(qkv_test::tensors_close(rotated, expected, 1e-14));
+      // First and second order: d/dx of <rope(x), u> is rope⁻¹(u); its own gradient goes through
+      // the rotation again.
+      const auto grad = torch::autograd::grad({(rotated * upstream).sum()}, {storage}, {}, true, true)[0];
+      const auto grad_by_hand = torch::autograd::grad({(expected * upstream).sum()}, {storage}, {}, true, true)[0];
+      EXPECT_TRUE(qkv_test::tensors_close(grad, grad_by_hand, 1e-14));
+      const auto direction = torch::randn_like(storage);
+      const auto upstream_grad = upstream.clone().requires_grad_(true);
+      const auto mixed = torch::autograd::grad(
+          {(torch::autograd::grad({(qkv::detail::apply_rope(x, rows) * upstream_grad).sum()}, {storage}, {}, true,
+                                  true)[0] *
+            direction)
+               .sum()},
+          {upstream_grad})[0];
+      const auto mixed_by_hand = torch::autograd::grad(
+          {(torch::autograd::grad({(by_hand(x, rows.cos, rows.sin) * upstream_grad).sum()}, {storage}, {}, true,
+                                  true)[0] *
+            direction)
+               .sum()},
+          {upstream_grad})[0];
+      EXPECT_TRUE(qkv_test::tensors_close(mixed, mixed_by_hand, 1e-14)) << "gradient of the gradient";
+    }
+  }
+  // bfloat16 in float32 arithmetic, one rounding; a 3-D input through LibTorch's operations.
+  const auto x = torch::randn({B, H, N, D});
+  const auto float_table = qkv::detail::rope_table(0, N, D, 10000.0, torch::kBFloat16, torch::kCPU);
+  const auto expected = by_hand(x.to(torch::kBFloat16).to(torch::kFloat), float_table.cos, float_table.sin);
+  EXPECT_TRUE(qkv_test::tensors_close(qkv::detail::apply_rope(x.to(torch::kBFloat16), float_table).to(torch::kFloat),
+                                      expected, qkv_test::tolerance_for(torch::kBFloat16, 2)));
+  EXPECT_TRUE(qkv_test::tensors_close(qkv::detail::apply_rope(x[0], float_table),  // (H, N, D)
+                                      by_hand(x[0], float_table.cos, float_table.sin), 1e-6));
 }
 
 // ---- Cached decoding equals one causal forward over the whole sequence ----
