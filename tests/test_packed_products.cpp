@@ -50,32 +50,39 @@ T draw(std::mt19937& random) {
 }
 
 // One product with A (m × k) and B (k × n) stored as given (transposed or not, with padding
-// between rows), against float64 of the values as multiplied.
+// between rows), against float64 of the values as multiplied. With extra_k, extra_n > 0, B is
+// packed with that many more rows and columns and the product uses its leading k × n (Leading).
 template <typename T>
 void check_product(const ProductKind& kind, int64_t m, int64_t n, int64_t k, bool a_transposed, bool b_transposed,
-                   float alpha, float beta, std::mt19937& random) {
+                   float alpha, float beta, std::mt19937& random, int64_t extra_k = 0, int64_t extra_n = 0) {
   const int64_t pad = 3;
-  std::vector<T> a_store((m + pad) * (k + pad)), b_store((k + pad) * (n + pad));
+  const int64_t packed_k = k + extra_k, packed_n = n + extra_n;
+  std::vector<T> a_store((m + pad) * (k + pad)), b_store((packed_k + pad) * (packed_n + pad));
   for (auto& x : a_store) x = draw<T>(random);
   for (auto& x : b_store) x = draw<T>(random);
   // A stored as rows of k (or, transposed, as k rows of m); likewise B.
   const Strided<T> a = a_transposed ? Strided<T>{a_store.data(), 1, m + pad} : Strided<T>{a_store.data(), k + pad, 1};
-  const Strided<T> b = b_transposed ? Strided<T>{b_store.data(), 1, k + pad} : Strided<T>{b_store.data(), n + pad, 1};
+  const Strided<T> b = b_transposed ? Strided<T>{b_store.data(), 1, packed_k + pad}
+                                    : Strided<T>{b_store.data(), packed_n + pad, 1};
   const int64_t ldc = n + 2;
   std::vector<float> c(m * ldc);
   for (auto& x : c) x = beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : draw<float>(random);
   const std::vector<float> c_before = c;
 
   PackedRight packed;
-  packed.pack(b, k, n, kind);
-  multiply(a, m, packed, alpha, beta, c.data(), ldc);
+  packed.pack(b, packed_k, packed_n, kind);
+  if (extra_k > 0 || extra_n > 0) {
+    multiply(a, m, packed, alpha, beta, c.data(), ldc, qkv::kernels::tiled::Leading{k, n});
+  } else {
+    multiply(a, m, packed, alpha, beta, c.data(), ldc);
+  }
 
   // The kernel's reference path for float32, OpenBLAS's sgemm on the same operands, agrees too.
   std::vector<float> blas = c_before;
   if constexpr (std::is_same_v<T, float>) {
     if (!kind.bf16) {
       qkv::kernels::tiled::gemm(a_transposed, b_transposed, m, n, k, alpha, a.data, a_transposed ? m + pad : k + pad,
-                                b.data, b_transposed ? k + pad : n + pad, beta, blas.data(), ldc);
+                                b.data, b_transposed ? packed_k + pad : packed_n + pad, beta, blas.data(), ldc);
     }
   }
 
@@ -129,6 +136,27 @@ TEST(PackedProducts, MatchFloat64OnEveryRunnableInstructionSet) {
     }
     EXPECT_EQ(cases, 5 * 7 * 6);
   }
+}
+
+// A block packed whole and multiplied by its leading rows and columns (a causal row block sees a
+// prefix of the keys): an odd k among them, whose bfloat16 pair takes one row more of B.
+TEST(PackedProducts, LeadingPartsOfAPackedOperandMatchFloat64) {
+  std::mt19937 random(8);
+  int cases = 0;
+  for (const auto& kind : runnable_kinds()) {
+    SCOPED_TRACE(describe(kind));
+    for (const int64_t m : {5, 64}) {
+      for (const auto& [k, extra_k] : std::vector<std::pair<int64_t, int64_t>>{{1, 3}, {7, 1}, {31, 33}, {64, 192}}) {
+        for (const auto& [n, extra_n] : std::vector<std::pair<int64_t, int64_t>>{{1, 40}, {17, 15}, {33, 31}, {8, 0}}) {
+          const bool b_transposed = (k + n) % 2 == 0;
+          check_product<float>(kind, m, n, k, m == 5, b_transposed, 1.0f, 0.0f, random, extra_k, extra_n);
+          check_product<c10::BFloat16>(kind, m, n, k, m != 5, b_transposed, 0.5f, 1.0f, random, extra_k, extra_n);
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_GE(cases, 2 * 4 * 4);
 }
 
 TEST(PackedProducts, ReportsWhatTheCpuHas) {

@@ -143,37 +143,43 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
               grad_outputs[rows_index].prepare(go_rows, rows, p.Dv);
               rows_packed[rows_index] = true;
             }
+            // The block's keys these rows can see: a prefix (causal rows end at their own position,
+            // a sequence at its length); the rest have P = 0 and no gradient. The buffers keep a
+            // row stride of `cols`.
+            const int64_t seen = std::min(cols, p.key_limit(b, i0 + rows) - j0);
+            if (seen <= 0) continue;
             // P = exp(S - L): the forward's probabilities, kept (one key block: j0 = 0, cols = S)
             // or recomputed.
             const acc_t* block_p = recomputed.data();
             if (probabilities != nullptr) {
               block_p = probabilities + ((b * p.H + h) * p.N + i0) * p.S;
             } else {
-              keys_transposed.multiply_into(q_rows, rows, p.scale, acc_t(0), recomputed.data(), cols);
-              p.apply_masks(b, h, i0, rows, j0, cols, recomputed.data(), cols);
+              keys_transposed.multiply_into(q_rows, rows, p.scale, acc_t(0), recomputed.data(), cols, Leading{-1, seen});
+              p.apply_masks(b, h, i0, rows, j0, seen, recomputed.data(), cols);
               for (int64_t r = 0; r < rows; ++r) {
                 const acc_t row_lse = lse[(b * p.H + h) * p.N + i0 + r];
                 acc_t* row = recomputed.data() + r * cols;
                 if (row_lse == std::numeric_limits<acc_t>::infinity()) {  // a row with no key: P = 0
-                  std::fill(row, row + cols, acc_t(0));
+                  std::fill(row, row + seen, acc_t(0));
                 } else {
-                  exp_shifted_sum(row, cols, row_lse);
+                  exp_shifted_sum(row, seen, row_lse);
                 }
               }
             }
             // dP = dO Vᵀ
-            values_transposed.multiply_into(go_rows, rows, acc_t(1), acc_t(0), grad_probabilities.data(), cols);
+            values_transposed.multiply_into(go_rows, rows, acc_t(1), acc_t(0), grad_probabilities.data(), cols,
+                                            Leading{-1, seen});
             // The forward multiplied P by Z / (1 - p) (Z: the kept pairs): V's gradient takes that
             // product, and dP the same factor.
             const acc_t* value_weights = block_p;
             if (p.dropout.active()) {
               const acc_t kept = static_cast<acc_t>(p.dropout.scale());
               for (int64_t r = 0; r < rows; ++r) {
-                p.dropout.keep(b * p.H + h, i0 + r, j0, cols, keep.data());
+                p.dropout.keep(b * p.H + h, i0 + r, j0, seen, keep.data());
                 const acc_t* row_p = block_p + r * cols;
                 acc_t* row_dropped = dropped.data() + r * cols;
                 acc_t* row_dp = grad_probabilities.data() + r * cols;
-                for (int64_t c = 0; c < cols; ++c) {
+                for (int64_t c = 0; c < seen; ++c) {
                   row_dropped[c] = keep[c] ? row_p[c] * kept : acc_t(0);
                   row_dp[c] = keep[c] ? row_dp[c] * kept : acc_t(0);
                 }
@@ -181,25 +187,25 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
               value_weights = dropped.data();
             }
             // dV += (P ⊙ Z / (1 - p))ᵀ dO
-            grad_outputs[rows_index].multiply_into(Strided<acc_t>{value_weights, 1, cols}, cols, acc_t(1), acc_t(1),
+            grad_outputs[rows_index].multiply_into(Strided<acc_t>{value_weights, 1, cols}, seen, acc_t(1), acc_t(1),
                                                    grad_v_block.data(), p.Dv);
             // dS = P ⊙ (dP - D_i), in place of dP.
             for (int64_t r = 0; r < rows; ++r) {
-              softmax_backward(block_p + r * cols, grad_probabilities.data() + r * cols, cols,
+              softmax_backward(block_p + r * cols, grad_probabilities.data() + r * cols, seen,
                                delta[g * p.N + i0 + r]);
             }
             if (grad_scores != nullptr) {  // dS is the additive mask's gradient, as it is the scores'
               for (int64_t r = 0; r < rows; ++r) {
                 std::memcpy(grad_scores + ((b * p.H + h) * p.N + i0 + r) * p.S + j0,
-                            grad_probabilities.data() + r * cols, sizeof(acc_t) * static_cast<size_t>(cols));
+                            grad_probabilities.data() + r * cols, sizeof(acc_t) * static_cast<size_t>(seen));
               }
             }
             // dK += scale · dSᵀ Q; dQ += scale · dS K
             const Strided<acc_t> grad_scores_block{grad_probabilities.data(), cols, 1};
-            queries[rows_index].multiply_into(grad_scores_block.transposed(), cols, p.scale, acc_t(1),
+            queries[rows_index].multiply_into(grad_scores_block.transposed(), seen, p.scale, acc_t(1),
                                               grad_k_block.data(), p.D);
-            keys.multiply_into(grad_scores_block, rows, p.scale, acc_t(1), grad_q_rows + (g * p.N + i0) * p.D,
-                               p.D);
+            keys.multiply_into(grad_scores_block, rows, p.scale, acc_t(1), grad_q_rows + (g * p.N + i0) * p.D, p.D,
+                               Leading{seen, -1});
           }
         }
         for (int64_t c = 0; c < cols; ++c) {

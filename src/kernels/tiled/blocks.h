@@ -4,6 +4,7 @@
 #include "kernels/tiled/packed_products.h"
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -57,8 +58,9 @@ class RightOperand {
  public:
   void prepare(Strided<scalar_t> b, int64_t k, int64_t n) { packed_.pack(b, k, n, product_kind<scalar_t>()); }
   template <typename a_t>
-  void multiply_into(Strided<a_t> a, int64_t m, float alpha, float beta, float* c, int64_t ldc) const {
-    multiply(a, m, packed_, alpha, beta, c, ldc);
+  void multiply_into(Strided<a_t> a, int64_t m, float alpha, float beta, float* c, int64_t ldc,
+                     Leading part = {}) const {
+    multiply(a, m, packed_, alpha, beta, c, ldc, part);
   }
 
  private:
@@ -69,10 +71,14 @@ template <>
 class RightOperand<double> {
  public:
   void prepare(Strided<double> b, int64_t k, int64_t n) { b_ = b, k_ = k, n_ = n; }
-  void multiply_into(Strided<double> a, int64_t m, double alpha, double beta, double* c, int64_t ldc) const {
-    const auto [a_transposed, lda] = blas_layout(a, m, k_);
-    const auto [b_transposed, ldb] = blas_layout(b_, k_, n_);
-    gemm(a_transposed, b_transposed, m, n_, k_, alpha, a.data, lda, b_.data, ldb, beta, c, ldc);
+  void multiply_into(Strided<double> a, int64_t m, double alpha, double beta, double* c, int64_t ldc,
+                     Leading part = {}) const {
+    const int64_t k = part.k < 0 ? k_ : part.k, n = part.n < 0 ? n_ : part.n;
+    TORCH_CHECK(k <= k_ && n <= n_, "tiled kernel: a product of B's leading ", k, " x ", n, " of a ", k_, " x ", n_);
+    if (m == 0 || n == 0) return;
+    const auto [a_transposed, lda] = blas_layout(a, m, k);
+    const auto [b_transposed, ldb] = blas_layout(b_, k, n);
+    gemm(a_transposed, b_transposed, m, n, k, alpha, a.data, lda, b_.data, ldb, beta, c, ldc);
   }
 
  private:

@@ -71,7 +71,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
     std::vector<uint8_t> keep(kKeysPerBlock);
     accumulator.resize(static_cast<size_t>(kRowsPerBlock * p.Dv));
     PackedHead<scalar_t> head;
-    // A block packed for one use only (see below); kept here so that its storage is reused.
+    // A window's unaligned block, packed for one use (see below); kept here so that its storage is reused.
     RightOperand<scalar_t> narrow_keys, narrow_values;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % row_blocks, bh = task / row_blocks, h = bh % p.H, b = bh / p.H;
@@ -89,18 +89,20 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
       if (kept_rows != nullptr) std::fill(kept_rows, kept_rows + rows * p.S, acc_t(0));
       for (int64_t j0 = p.key_begin(i0); j0 < key_end; j0 += kKeysPerBlock) {  // a window skips older keys
         const int64_t cols = std::min(kKeysPerBlock, key_end - j0);
-        // Whole blocks are packed once and reused; a causal or length-limited last block (narrower
-        // for some row blocks than for others) and a window's unaligned blocks are packed here.
-        const bool full = j0 % kKeysPerBlock == 0 && cols == std::min(kKeysPerBlock, p.S - j0);
+        // Blocks on the block grid are packed once, whole, and reused: a causal or length-limited
+        // block's rows see a prefix of it (its first `cols` keys). A window's unaligned blocks are
+        // packed here, for one use.
+        const bool aligned = j0 % kKeysPerBlock == 0;
         const RightOperand<scalar_t>*keys = &narrow_keys, *values = &narrow_values;
-        if (full) {
-          std::tie(keys, values) = head.block(p, k, v, j0 / kKeysPerBlock, j0, cols);
+        if (aligned) {
+          std::tie(keys, values) =
+              head.block(p, k, v, j0 / kKeysPerBlock, j0, std::min(kKeysPerBlock, p.S - j0));
         } else {
           narrow_keys.prepare({k.rows(b, kv_head, j0), 1, k.stride_row}, p.D, cols);
           narrow_values.prepare({v.rows(b, kv_head, j0), v.stride_row, 1}, cols, p.Dv);
         }
         // Steps 1 and 2: scaled scores of the block.
-        keys->multiply_into(q_rows, rows, p.scale, acc_t(0), scores.data(), cols);
+        keys->multiply_into(q_rows, rows, p.scale, acc_t(0), scores.data(), cols, Leading{-1, cols});
         p.apply_masks(b, h, i0, rows, j0, cols, scores.data(), cols);
         // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
         for (int64_t r = 0; r < rows; ++r) {
@@ -128,7 +130,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         }
         // Step 4: the block's weighted values.
         values->multiply_into(Strided<acc_t>{scores.data(), cols, 1}, rows, acc_t(1), acc_t(1), accumulator.data(),
-                              p.Dv);
+                              p.Dv, Leading{cols, -1});
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;

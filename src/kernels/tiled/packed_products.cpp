@@ -197,40 +197,40 @@ void tile_of(int rows, Args... args) {
 }
 
 // C = alpha · A · B + beta · C, panel by panel (a panel stays in L1 while every row of A meets it).
-// `depth` is the panel's rows: k for float32, the pairs for bfloat16.
+// `depth` is the panel's rows: k for float32, the pairs for bfloat16; `steps` of them are used.
 template <template <int> class Tile, int MR, typename a_t, typename b_t>
-void drive(const a_t* a, int64_t ars, int64_t acs, int64_t m, const b_t* panels, int64_t depth, int64_t values_per_step,
-           int64_t n, float alpha, float beta, float* c, int64_t ldc) {
+void drive(const a_t* a, int64_t ars, int64_t acs, int64_t m, const b_t* panels, int64_t depth, int64_t steps,
+           int64_t values_per_step, int64_t n, float alpha, float beta, float* c, int64_t ldc) {
   constexpr int64_t NR = Tile<1>::NR;
   for (int64_t j0 = 0; j0 < n; j0 += NR) {
     const b_t* panel = panels + (j0 / NR) * depth * values_per_step * NR;
     const int64_t cols = std::min<int64_t>(NR, n - j0);
     for (int64_t i0 = 0; i0 < m; i0 += MR) {
       const int rows = static_cast<int>(std::min<int64_t>(MR, m - i0));
-      tile_of<Tile, MR>(rows, depth, a + i0 * ars, ars, acs, panel, cols, alpha, beta, c + i0 * ldc + j0, ldc);
+      tile_of<Tile, MR>(rows, steps, a + i0 * ars, ars, acs, panel, cols, alpha, beta, c + i0 * ldc + j0, ldc);
     }
   }
 }
 
-void multiply_float(const float* a, int64_t ars, int64_t acs, int64_t m, const PackedRight& b, float alpha, float beta,
-                    float* c, int64_t ldc) {
-  const int64_t k = b.k(), n = b.n();
+void multiply_float(const float* a, int64_t ars, int64_t acs, int64_t m, const PackedRight& b, int64_t k, int64_t n,
+                    float alpha, float beta, float* c, int64_t ldc) {
+  const int64_t depth = b.k();
   switch (b.kind().isa) {
 #if defined(QKV_X86_64)
     case ProductIsa::Avx512:
     case ProductIsa::Avx512Bf16:
       if (b.panel_width() == 16) {
-        drive<Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
+        drive<Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, alpha, beta, c, ldc);
       } else {
-        drive<Avx512Tile, 8>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
+        drive<Avx512Tile, 8>(a, ars, acs, m, b.f32(), depth, k, 1, n, alpha, beta, c, ldc);
       }
       return;
     case ProductIsa::Avx2:
-      drive<Avx2Tile, 6>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
+      drive<Avx2Tile, 6>(a, ars, acs, m, b.f32(), depth, k, 1, n, alpha, beta, c, ldc);
       return;
 #endif
     default:
-      drive<PortableTile, 4>(a, ars, acs, m, b.f32(), k, 1, n, alpha, beta, c, ldc);
+      drive<PortableTile, 4>(a, ars, acs, m, b.f32(), depth, k, 1, n, alpha, beta, c, ldc);
   }
 }
 
@@ -323,33 +323,37 @@ Pairs pairs_of(Strided<T> a, int64_t m, int64_t k, std::vector<uint16_t>& scratc
 }
 
 template <typename T>
-void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc) {
-  if (m == 0 || b.n() == 0) return;
+void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc,
+                  Leading part) {
+  const int64_t k = part.k < 0 ? b.k() : part.k, n = part.n < 0 ? b.n() : part.n;
+  TORCH_CHECK(k <= b.k() && n <= b.n(), "tiled kernel: a product of B's leading ", k, " x ", n, " of a packed ", b.k(),
+              " x ", b.n());
+  if (m == 0 || n == 0) return;
   if (b.kind().bf16) {
 #if defined(QKV_X86_64)
     thread_local std::vector<uint16_t> scratch;
-    const int64_t pairs = (b.k() + 1) / 2;
-    const Pairs a_pairs = pairs_of(a, m, b.k(), scratch);
+    // Pairs of B's rows: an odd k uses one more row of B, which A's zero after its k-th value cancels.
+    const int64_t depth = (b.k() + 1) / 2, pairs = (k + 1) / 2;
+    const Pairs a_pairs = pairs_of(a, m, k, scratch);
     if (b.panel_width() == 16) {
-      drive<Avx512Bf16NarrowTile, 12>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), pairs, 2,
-                                      b.n(), alpha, beta, c, ldc);
+      drive<Avx512Bf16NarrowTile, 12>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), depth, pairs,
+                                      2, n, alpha, beta, c, ldc);
     } else {
-      drive<Avx512Bf16Tile, 8>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), pairs, 2, b.n(),
+      drive<Avx512Bf16Tile, 8>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), depth, pairs, 2, n,
                                alpha, beta, c, ldc);
     }
     return;
 #endif
   }
   if constexpr (std::is_same_v<T, float>) {
-    multiply_float(a.data, a.row_stride, a.col_stride, m, b, alpha, beta, c, ldc);
+    multiply_float(a.data, a.row_stride, a.col_stride, m, b, k, n, alpha, beta, c, ldc);
   } else {  // bfloat16 values on a float32 path: widened once
     thread_local std::vector<float> scratch;
-    const int64_t k = b.k();
     scratch.resize(static_cast<size_t>(m * k));
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t p = 0; p < k; ++p) scratch[r * k + p] = as_float(a.data[r * a.row_stride + p * a.col_stride]);
     }
-    multiply_float(scratch.data(), k, 1, m, b, alpha, beta, c, ldc);
+    multiply_float(scratch.data(), k, 1, m, b, k, n, alpha, beta, c, ldc);
   }
 }
 
@@ -422,13 +426,14 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
 void PackedRight::pack(Strided<float> b, int64_t k, int64_t n, ProductKind kind) { pack_any(b, k, n, kind); }
 void PackedRight::pack(Strided<c10::BFloat16> b, int64_t k, int64_t n, ProductKind kind) { pack_any(b, k, n, kind); }
 
-void multiply(Strided<float> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc) {
-  multiply_any(a, m, b, alpha, beta, c, ldc);
+void multiply(Strided<float> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc,
+              Leading part) {
+  multiply_any(a, m, b, alpha, beta, c, ldc, part);
 }
 
 void multiply(Strided<c10::BFloat16> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c,
-              int64_t ldc) {
-  multiply_any(a, m, b, alpha, beta, c, ldc);
+              int64_t ldc, Leading part) {
+  multiply_any(a, m, b, alpha, beta, c, ldc, part);
 }
 
 }  // namespace qkv::kernels::tiled

@@ -61,10 +61,19 @@ class PackedRight {
   std::vector<uint16_t> bf16_;
 };
 
-/// C (m × b.n(), row stride ldc) = alpha · A · B + beta · C with A (m × b.k()) as strided; beta = 0
-/// never reads C. Accumulates in float32; bfloat16 products round A to bfloat16 first.
-void multiply(Strided<float> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc);
+/// The part of a packed B a product uses: its first k rows and first n columns (-1: all of them).
+/// A causal block's rows see a prefix of its keys: the block is packed once, whole, and each
+/// query block multiplies by the prefix it sees.
+struct Leading {
+  int64_t k = -1, n = -1;
+};
+
+/// C (m × n, row stride ldc) = alpha · A · B + beta · C with A (m × k) as strided and B's leading
+/// k × n (default: all of b); beta = 0 never reads C. Accumulates in float32; bfloat16 products
+/// round A to bfloat16 first.
+void multiply(Strided<float> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc,
+              Leading part = {});
 void multiply(Strided<c10::BFloat16> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c,
-              int64_t ldc);
+              int64_t ldc, Leading part = {});
 
 }  // namespace qkv::kernels::tiled
