@@ -86,24 +86,43 @@ void SelfAttentionImpl::reset() {
   } else {
     W_o = nullptr;
   }
-  // W_q, W_k, W_v (and their biases) side by side in one storage, each still its own parameter:
-  // self-attention then multiplies by all three at once without gathering them (project_self).
-  if (kdim == d_model && vdim == d_model) {
-    torch::NoGradGuard no_grad;
-    const auto stack = [](std::initializer_list<torch::Tensor*> parameters) {
-      std::vector<torch::Tensor> parts;
-      for (auto* parameter : parameters) parts.push_back(*parameter);
-      const auto joined = torch::cat(parts);
-      int64_t offset = 0;
-      for (auto* parameter : parameters) {
-        const int64_t rows = parameter->size(0);
-        parameter->set_data(joined.narrow(0, offset, rows));
-        offset += rows;
-      }
-    };
-    stack({&W_q->weight, &W_k->weight, &W_v->weight});
-    if (options.bias()) stack({&W_q->bias, &W_k->bias, &W_v->bias});
-  }
+  stack_projections();
+}
+
+// W_q, W_k, W_v (and their biases) side by side in one storage, each still its own parameter:
+// self-attention then multiplies by all three at once without gathering them (project_self).
+void SelfAttentionImpl::stack_projections() {
+  const auto d_model = options.d_model();
+  if (options.kdim().value_or(d_model) != d_model || options.vdim().value_or(d_model) != d_model) return;
+  torch::NoGradGuard no_grad;
+  const auto stack = [](std::initializer_list<torch::Tensor*> parameters) {
+    std::vector<torch::Tensor> parts;
+    for (auto* parameter : parameters) parts.push_back(*parameter);
+    const auto joined = torch::cat(parts);
+    int64_t offset = 0;
+    for (auto* parameter : parameters) {
+      const int64_t rows = parameter->size(0);
+      parameter->set_data(joined.narrow(0, offset, rows));
+      offset += rows;
+    }
+  };
+  stack({&W_q->weight, &W_k->weight, &W_v->weight});
+  if (options.bias()) stack({&W_q->bias, &W_k->bias, &W_v->bias});
+}
+
+void SelfAttentionImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(device, dtype, non_blocking);
+  stack_projections();
+}
+
+void SelfAttentionImpl::to(torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(dtype, non_blocking);
+  stack_projections();
+}
+
+void SelfAttentionImpl::to(torch::Device device, bool non_blocking) {
+  torch::nn::Module::to(device, non_blocking);
+  stack_projections();
 }
 
 void SelfAttentionImpl::pretty_print(std::ostream& stream) const {

@@ -81,6 +81,14 @@ TEST(GroupedQuery, OneProjectionProductOrThreeGiveTheSameResultsAndGradients) {
   ASSERT_TRUE(apart);
   EXPECT_TRUE(together->W_k->weight.is_alias_of(together->W_q->weight));  // one storage
   EXPECT_FALSE(apart->W_k->weight.is_alias_of(apart->W_q->weight));
+  {  // moved to another dtype and back, they are laid side by side again
+    auto moved = std::dynamic_pointer_cast<qkv::SelfAttentionImpl>(together->clone());
+    moved->to(torch::kDouble);
+    EXPECT_TRUE(moved->W_v->weight.is_alias_of(moved->W_q->weight));
+    EXPECT_TRUE(moved->W_v->bias.is_alias_of(moved->W_k->bias));
+    EXPECT_EQ(moved->W_v->weight.scalar_type(), torch::kDouble);
+    EXPECT_TRUE(torch::equal(moved->W_v->weight.to(torch::kFloat), together->W_v->weight));
+  }
   // softmax(Q Kᵀ / √D + causal) V per head, from three separate products, joined, then W_o.
   const auto by_hand = [&](const torch::Tensor& x) {
     namespace F = torch::nn::functional;

@@ -38,6 +38,12 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
 
+  /// As Module::to; moving gives each parameter its own storage, so W_q, W_k, W_v are then laid
+  /// side by side again (self-attention's one projection product, see project_self).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+
   /// Self-attention on `query` (N, E) or (B, N, E) when `context` is undefined; else
   /// cross-attention from `query` to `context` (S, kdim) or (B, S, kdim). Returns (…, N, E).
   /// Callable with one argument by torch::nn::Sequential and AnyModule.
@@ -84,6 +90,9 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
  private:
   /// The module's options as the attention core's (no mask: the caller adds it).
   ScaledDotProductAttentionOptions attention_options(bool need_weights) const;
+
+  /// W_q, W_k, W_v (and their biases) into one storage each, every one still its own parameter.
+  void stack_projections();
 
   /// Self-attention's three projections of x (…, E) in one matrix product: (x W_qᵀ + b_q,
   /// x W_kᵀ + b_k, x W_vᵀ + b_v) as views of one (…, E + 2·Hkv·D) result.
