@@ -197,7 +197,8 @@ torch::Tensor join_heads(const torch::Tensor& x) {
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> SelfAttentionImpl::project_self(const torch::Tensor& x) const {
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> SelfAttentionImpl::project_self(const torch::Tensor& x,
+                                                                                       bool decoding) const {
   const int64_t E = options.d_model();
   const int64_t KD = W_k->weight.size(0);  // Hkv · D
   const auto &wq = W_q->weight, &wk = W_k->weight, &wv = W_v->weight;
@@ -206,24 +207,29 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> SelfAttentionImpl::proje
     namespace F = torch::nn::functional;
     return {F::linear(x, wq, W_q->bias), F::linear(x, wk, W_k->bias), F::linear(x, wv, W_v->bias)};
   };
-  torch::Tensor weight, bias_vector;  // (E + 2·KD, E), (E + 2·KD)
+  // One product or three by the number of rows alone, never by grad mode: a checkpointed block's
+  // forward (without autograd) and its recomputation (with) must compute the same numbers. One
+  // product costs gathering the matrices for autograd, which pays for itself with many rows (the
+  // toy step's 2048: 4% faster) but not with the documents' 4 (4% slower), measured 2026-12-01 on
+  // AMD EPYC; decoding (inference only) always takes it, on the parameters as they lie.
+  constexpr int64_t kOneProductFromRows = 64;
+  const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
+  if (!decoding && rows < kOneProductFromRows) return separately();
   const bool recorded = torch::GradMode::is_enabled() && (wq.requires_grad() || wk.requires_grad() ||
                                                           wv.requires_grad() || x.requires_grad());
-  // Gathering the matrices for autograd adds operations of its own: worth it for many rows (the toy
-  // step's 2048: 4% faster), not for the documents' 4 (4% slower), measured 2026-12-01 on AMD EPYC.
-  constexpr int64_t kGatherFromRows = 64;
-  const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
-  if (recorded && rows < kGatherFromRows) return separately();
-  if (!recorded && stacked_in_place({&wq, &wk, &wv}) &&
-      (!bias || stacked_in_place({&W_q->bias, &W_k->bias, &W_v->bias}))) {
-    // Inference (decoding): the parameters as they lie, reset() having put them side by side.
+  const bool stacked =
+      stacked_in_place({&wq, &wk, &wv}) && (!bias || stacked_in_place({&W_q->bias, &W_k->bias, &W_v->bias}));
+  torch::Tensor weight, bias_vector;  // (E + 2·KD, E), (E + 2·KD)
+  if (!recorded && stacked) {
+    // The parameters as reset() (or to()) laid them, side by side: no copy.
     weight = wq.detach().as_strided({E + 2 * KD, wq.size(1)}, {wq.size(1), 1});
     if (bias) bias_vector = W_q->bias.detach().as_strided({E + 2 * KD}, {1});
-  } else if (!recorded) {
-    // Moved apart (a clone, parameters replaced one by one): three products, no gathering per call.
+  } else if (!recorded && decoding) {
+    // Moved apart (a clone): three products rather than gathering the matrices for every token.
     return separately();
   } else {
-    // Training: gathered for autograd, which hands each parameter its part of the gradient.
+    // Gathered (for autograd, which hands each parameter its part of the gradient): the same
+    // values in the same layout as above, so the same product and the same numbers.
     weight = torch::cat({wq, wk, wv});
     if (bias) bias_vector = torch::cat({W_q->bias, W_k->bias, W_v->bias});
   }
@@ -287,7 +293,7 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   const bool self = key.is_same(query) && value.is_same(query);
   torch::Tensor q_projected, k_projected, v_projected;  // (…, N, E), (…, S, Hkv·D), (…, S, Hkv·D)
   if (self) {
-    std::tie(q_projected, k_projected, v_projected) = project_self(query);
+    std::tie(q_projected, k_projected, v_projected) = project_self(query, /*decoding=*/false);
   } else {
     q_projected = W_q(query), k_projected = W_k(key), v_projected = W_v(value);
   }
@@ -447,7 +453,7 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
   const int64_t L = cache.length();
   cache.check_append("SelfAttention::forward_with_cache", B, T, projection_dtype(W_q->weight), x.device());
 
-  const auto [q_projected, k_projected, v_projected] = project_self(x);
+  const auto [q_projected, k_projected, v_projected] = project_self(x, /*decoding=*/true);
   auto q = split_heads(q_projected, H);    // (B, H, T, D)
   auto k = split_heads(k_projected, Hkv);  // (B, Hkv, T, D)
   auto v = split_heads(v_projected, Hkv);  // (B, Hkv, T, D)

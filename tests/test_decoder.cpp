@@ -68,10 +68,10 @@ TEST(GroupedQuery, KeyAndValueProjectionsHaveKvHeadsWidth) {
   EXPECT_EQ(documents->W_k->weight.sizes(), (std::vector<int64_t>{8, 8}));
 }
 
-// Self-attention multiplies by W_q, W_k, W_v in one product: for training with many rows on the
-// matrices gathered (autograd splits the gradient), for inference on the parameters as reset()
-// laid them, side by side in one storage; few rows in training, and parameters moved apart (a clone),
-// take three products. Every way against the projections written out by hand, with every gradient.
+// Self-attention multiplies by W_q, W_k, W_v in one product for 64 rows or more and for decoding:
+// on the parameters where reset() or to() laid them side by side (inference), else on the gathered
+// matrices (autograd splits the gradient); fewer rows take three products, whatever the grad mode.
+// Every way against the projections written out by hand, with every gradient.
 TEST(GroupedQuery, OneProjectionProductOrThreeGiveTheSameResultsAndGradients) {
   torch::manual_seed(12);
   const int64_t E = 32, H = 4, Hkv = 2, D = E / H;
@@ -106,7 +106,7 @@ TEST(GroupedQuery, OneProjectionProductOrThreeGiveTheSameResultsAndGradients) {
                             .reshape({x.size(0), N, E});
     return F::linear(joined, together->W_o->weight, together->W_o->bias);
   };
-  for (const int64_t N : {5, 70}) {  // 15 rows: three products; 210: one, on the gathered matrices
+  for (const int64_t N : {5, 70}) {  // 15 rows: three products; 210: one
     SCOPED_TRACE("N = " + std::to_string(N));
     const auto x = torch::randn({3, N, E});
     const auto upstream = torch::randn({3, N, E});

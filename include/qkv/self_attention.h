@@ -94,9 +94,9 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
   /// W_q, W_k, W_v (and their biases) into one storage each, every one still its own parameter.
   void stack_projections();
 
-  /// Self-attention's three projections of x (…, E) in one matrix product: (x W_qᵀ + b_q,
-  /// x W_kᵀ + b_k, x W_vᵀ + b_v) as views of one (…, E + 2·Hkv·D) result.
-  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> project_self(const torch::Tensor& x) const;
+  /// Self-attention's three projections of x (…, E): (x W_qᵀ + b_q, x W_kᵀ + b_k, x W_vᵀ + b_v),
+  /// as views of one (…, E + 2·Hkv·D) product for many rows and for decoding, else three products.
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> project_self(const torch::Tensor& x, bool decoding) const;
 };
 
 TORCH_MODULE(SelfAttention);
