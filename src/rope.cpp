@@ -2,6 +2,8 @@
 // an angle proportional to its position, so that q·k depends on the positions' difference only.
 #include "rope.h"
 
+#include "kernels/tiled/operands.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -39,22 +41,12 @@ torch::Tensor rotate_by_operations(const torch::Tensor& x, const RopeTable& tabl
   return reduced ? rotated.to(x.scalar_type()) : rotated;  // (..., N, D)
 }
 
-// An empty (B, H, N, D) tensor in x's layout: (B, N, H, D) storage where x's heads sit side by side
-// within each position (the module's head split), else contiguous; so that the attention kernel
-// and the way back through the split find the layout they copy nothing for.
-torch::Tensor empty_like_heads(const torch::Tensor& x) {
-  if (x.size(1) > 1 && x.size(2) > 1 && x.stride(1) < x.stride(2)) {
-    return torch::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
-  }
-  return torch::empty(x.sizes(), x.options());
-}
-
 // One pass over x (B, H, N, D), unit stride along D: out = [x1 cos - s·x2 sin, x2 cos + s·x1 sin]
 // with the sign s = ±1 (-1: the inverse rotation, which is the rotation's transpose), in the
 // table's precision (float32 for half types).
 torch::Tensor rotate_in_one_pass(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                  double sign) {
-  auto out = empty_like_heads(x);
+  auto out = kernels::tiled::empty_in_layout_of(x, x.size(3), x.options());  // x's layout
   const int64_t B = x.size(0), H = x.size(1), N = x.size(2), half = x.size(3) / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qkv_rope", [&] {
     using table_t = at::opmath_type<scalar_t>;

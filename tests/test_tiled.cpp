@@ -90,6 +90,23 @@ Outcome run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   return {result.output.detach(), q_.grad(), k_.grad(), v_.grad()};
 }
 
+// The outcome of one backend on leaf copies of q, k, v in `dtype`, with `bias` (if defined) as a
+// learned additive mask, and that mask's gradient.
+std::pair<Outcome, torch::Tensor> run_with_learned_mask(const torch::Tensor& q, const torch::Tensor& k,
+                                                        const torch::Tensor& v, const torch::Tensor& upstream,
+                                                        qkv::ScaledDotProductAttentionOptions options,
+                                                        const torch::Tensor& bias, AttentionBackend backend,
+                                                        torch::ScalarType dtype) {
+  auto leaf = [&](const torch::Tensor& t) { return t.to(dtype).clone().requires_grad_(true); };
+  auto q_ = leaf(q), k_ = leaf(k), v_ = leaf(v);
+  auto bias_ = bias.defined() ? bias.detach().clone().requires_grad_(true) : torch::Tensor();
+  if (bias_.defined()) options.mask(bias_);
+  auto result = qkv::scaled_dot_product_attention(q_, k_, v_, options.backend(backend));
+  (result.output * upstream.to(dtype)).sum().backward();
+  return {Outcome{result.output.detach(), q_.grad(), k_.grad(), v_.grad()},
+          bias_.defined() ? bias_.grad() : torch::Tensor()};
+}
+
 void expect_same(const Outcome& actual, const Outcome& expected, double tolerance, const std::string& what) {
   double scale = 0;
   for (const auto* t : {&expected.grad_q, &expected.grad_k, &expected.grad_v})
@@ -223,15 +240,7 @@ TEST(Tiled, BackwardSplitOverKeysMatchesTheMathPath) {
     if (variant.key_lengths) options.key_lengths(torch::tensor({S - 100}, torch::kLong));
     if (variant.learned_mask) bias = torch::randn({variant.H, N, S}, torch::kDouble).requires_grad_(true);
     auto outcome = [&](AttentionBackend backend, torch::ScalarType dtype) {
-      auto leaf = [&](const torch::Tensor& t) { return t.to(dtype).clone().requires_grad_(true); };
-      auto q_ = leaf(q), k_ = leaf(k), v_ = leaf(v);
-      auto bias_ = variant.learned_mask ? bias.detach().clone().requires_grad_(true) : torch::Tensor();
-      auto o = options;
-      if (bias_.defined()) o.mask(bias_);
-      auto result = qkv::scaled_dot_product_attention(q_, k_, v_, o.backend(backend));
-      (result.output * upstream.to(dtype)).sum().backward();
-      return std::make_pair(Outcome{result.output.detach(), q_.grad(), k_.grad(), v_.grad()},
-                            bias_.defined() ? bias_.grad() : torch::Tensor());
+      return run_with_learned_mask(q, k, v, upstream, options, bias, backend, dtype);
     };
     const auto [tiled, tiled_bias_grad] = outcome(AttentionBackend::Tiled, variant.dtype);
     const auto [math, math_bias_grad] = outcome(AttentionBackend::Math, torch::kDouble);
@@ -312,15 +321,7 @@ TEST(Tiled, KeptAndRecomputedProbabilitiesBothMatchTheMathPath) {
     const auto upstream = torch::randn({c.B, c.H, c.N, c.D}, torch::kDouble).to(c.dtype);
     const auto bias = c.learned_mask ? torch::randn({c.H, c.N, c.S}, torch::kDouble) : torch::Tensor();
     auto outcome = [&](AttentionBackend backend, torch::ScalarType dtype) {
-      auto leaf = [&](const torch::Tensor& t) { return t.to(dtype).clone().requires_grad_(true); };
-      auto q_ = leaf(q), k_ = leaf(k), v_ = leaf(v);
-      auto bias_ = c.learned_mask ? bias.clone().requires_grad_(true) : torch::Tensor();
-      auto o = options;
-      if (bias_.defined()) o.mask(bias_);
-      auto result = qkv::scaled_dot_product_attention(q_, k_, v_, o.backend(backend));
-      (result.output * upstream.to(dtype)).sum().backward();
-      return std::make_pair(Outcome{result.output.detach(), q_.grad(), k_.grad(), v_.grad()},
-                            bias_.defined() ? bias_.grad() : torch::Tensor());
+      return run_with_learned_mask(q, k, v, upstream, options, bias, backend, dtype);
     };
     const auto [tiled, tiled_bias_grad] = outcome(AttentionBackend::Tiled, c.dtype);
     const auto [math, math_bias_grad] = outcome(AttentionBackend::Math, torch::kDouble);

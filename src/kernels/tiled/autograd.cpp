@@ -64,18 +64,6 @@ Matrix4<T> matrix_of(const torch::Tensor& t) {
   return {t.template data_ptr<T>(), t.stride(0), t.stride(1), std::max<int64_t>(row_stride, 1)};
 }
 
-// A (B, H, rows, width) result in the layout of `like`, the operand it belongs to: where like's
-// heads sit side by side within each position (a (B, N, H, D) tensor seen through transpose(1, 2),
-// as the module's head split makes them), the same (B, rows, H, width) storage seen the same way,
-// so that joining the heads (or the gradient's way back through the split) needs no copy; else
-// contiguous.
-torch::Tensor empty_in_layout_of(const torch::Tensor& like, int64_t width, const torch::TensorOptions& options) {
-  const int64_t B = like.size(0), H = like.size(1), rows = like.size(2);
-  const bool heads_within_positions = H > 1 && rows > 1 && like.stride(1) < like.stride(2);
-  if (heads_within_positions) return torch::empty({B, rows, H, width}, options).transpose(1, 2);
-  return torch::empty({B, H, rows, width}, options);
-}
-
 template <typename T>
 OutputMatrix4<T> output_of(const torch::Tensor& t) {
   const auto readable = matrix_of<T>(t);

@@ -33,6 +33,13 @@ torch::Tensor readable(const torch::Tensor& t) { return kernel_readable(t) ? t :
 
 }  // namespace
 
+torch::Tensor empty_in_layout_of(const torch::Tensor& like, int64_t width, const torch::TensorOptions& options) {
+  const int64_t B = like.size(0), H = like.size(1), rows = like.size(2);
+  const bool heads_within_positions = H > 1 && rows > 1 && like.stride(1) < like.stride(2);
+  if (heads_within_positions) return torch::empty({B, rows, H, width}, options).transpose(1, 2);
+  return torch::empty({B, H, rows, width}, options);
+}
+
 Operands normalise_operands(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const ScaledDotProductAttentionOptions& options) {
   const bool grouped = options.enable_gqa() && query_groups(q, k) > 1;

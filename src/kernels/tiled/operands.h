@@ -21,6 +21,14 @@ namespace qkv::kernels::tiled {
 /// dimensions do not, and are copied once by normalise_operands.
 bool kernel_readable(const torch::Tensor& t);
 
+/// An empty (B, H, rows, width) result in the layout of `like` (B, H, rows, ·), the operand it
+/// belongs to: where like's heads sit side by side within each position (a (B, N, H, D) tensor
+/// seen through transpose(1, 2), as the module's head split makes them), the same (B, rows, H,
+/// width) storage seen the same way, so that joining the heads (or a gradient's way back through
+/// the split) needs no copy; else contiguous. The kernel's output and gradients and RoPE's
+/// rotation use it.
+torch::Tensor empty_in_layout_of(const torch::Tensor& like, int64_t width, const torch::TensorOptions& options);
+
 /// The kernel's operands: q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), each kernel_readable;
 /// mask a (B, H, N, S) broadcast view, bool or floating in the accumulation type (float32 for
 /// bfloat16), or an empty tensor; key_lengths int64 (B,) contiguous or empty. Empty, not
