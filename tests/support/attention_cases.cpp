@@ -327,14 +327,68 @@ double tolerance_of(const AttentionCase& c) {
 
 }  // namespace
 
-std::string compare_outcomes(const AttentionCase& c, const CaseOutcome& actual, const CaseOutcome& reference) {
+namespace {
+
+// The gradient of `view` (a view of `leaf`) carried back to the leaf: a layout that folds many view
+// elements onto one leaf element (expand, unfold) sums them there, as autograd does.
+torch::Tensor onto_leaf(const torch::Tensor& view, const torch::Tensor& leaf, const torch::Tensor& grad) {
+  return torch::autograd::grad({view}, {leaf}, {grad}, /*retain_graph=*/true)[0];
+}
+
+// Key/value tensors (..., Hkv, S, X) repeated to the query's H heads (query head h reads key/value
+// head h / (H / Hkv)), and the way back: a sum over each group.
+torch::Tensor to_query_heads(const torch::Tensor& t, int64_t groups) {
+  return groups == 1 ? t : t.repeat_interleave(groups, -3);
+}
+torch::Tensor to_kv_heads(const torch::Tensor& t, int64_t groups) {
+  if (groups == 1) return t;
+  auto sizes = t.sizes().vec();
+  const auto rank = static_cast<int64_t>(sizes.size());
+  sizes[rank - 3] /= groups;
+  sizes.insert(sizes.begin() + (rank - 2), groups);
+  return t.reshape(sizes).sum(-3);
+}
+
+}  // namespace
+
+CaseOutcome term_magnitudes(const AttentionCase& c) {
+  auto t = make_tensors(c, torch::kDouble);
+  auto options = t.options;
+  const auto p = qkv::scaled_dot_product_attention(t.q, t.k, t.v,
+                                                   options.need_weights(true).backend(AttentionBackend::Math))
+                     .weights.detach();  // (..., H, N, S), zero where masked
+  const int64_t groups = c.H / c.Hkv;
+  const double scale = c.scale.value_or(1.0 / std::sqrt(static_cast<double>(c.D)));
+  const auto q = t.q.detach().abs(), k = to_query_heads(t.k.detach().abs(), groups);
+  const auto v = to_query_heads(t.v.detach().abs(), groups), upstream = t.upstream.abs();
+  // The backward's sums, each with |terms| (dS = P ∘ (dP − rowsum(P ∘ dP)), its two parts added).
+  const auto dp = torch::matmul(upstream, v.transpose(-2, -1));
+  const auto ds = p * (dp + (p * dp).sum(-1, /*keepdim=*/true));
+  CaseOutcome m;
+  m.output = torch::matmul(p, v);
+  m.grad_q = onto_leaf(t.q, t.q_leaf, scale * torch::matmul(ds, k));
+  m.grad_k = onto_leaf(t.k, t.k_leaf, to_kv_heads(scale * torch::matmul(ds.transpose(-2, -1), q), groups));
+  m.grad_v = onto_leaf(t.v, t.v_leaf, to_kv_heads(torch::matmul(p.transpose(-2, -1), upstream), groups));
+  if (t.mask_leaf.defined() && t.mask_leaf.requires_grad()) {
+    const auto& mask = t.options.mask();
+    m.grad_mask = onto_leaf(mask, t.mask_leaf, at::sum_to(ds, mask.sizes()));
+  }
+  return m;
+}
+
+std::string compare_outcomes(const AttentionCase& c, const CaseOutcome& actual, const CaseOutcome& reference,
+                             const CaseOutcome& magnitudes) {
   std::ostringstream problems;
   const double tolerance = tolerance_of(c);
-  double scale = 0;
+  double largest_gradient = 0;
   for (const auto* grad : {&reference.grad_q, &reference.grad_k, &reference.grad_v, &reference.grad_mask}) {
-    scale = std::max(scale, max_abs(*grad));
+    largest_gradient = std::max(largest_gradient, max_abs(*grad));
   }
-  auto compare = [&](const char* name, const torch::Tensor& a, const torch::Tensor& b, double against) {
+  // Each result is measured against the largest gradient (or its own largest value) and against
+  // the size of the terms it sums (`magnitudes`), whichever is larger: a sum that cancels to a small
+  // value carries the rounding of its large terms, in every backend and in PyTorch alike.
+  auto compare = [&](const char* name, const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& terms,
+                     double against) {
     if (a.defined() != b.defined()) {
       problems << " " << name << (a.defined() ? " defined where math has none" : " missing (math returns it)") << ";";
       return;
@@ -347,17 +401,17 @@ std::string compare_outcomes(const AttentionCase& c, const CaseOutcome& actual, 
     // NaN where the reference has NaN (none is expected here) counts as equal; elsewhere it is an error.
     const auto widened = a.to(torch::kDouble);
     const bool nan_match = torch::equal(widened.isnan(), b.isnan());
-    const double error = relative_error(widened.nan_to_num(0), b.nan_to_num(0), against);
+    const double error = relative_error(widened.nan_to_num(0), b.nan_to_num(0), std::max(against, max_abs(terms)));
     if (!nan_match || !(error <= tolerance)) {
       problems << " " << name << ": relative error " << error << " > " << tolerance
                << (nan_match ? "" : " (NaN where math has none)") << ";";
     }
   };
-  compare("output", actual.output, reference.output, 0.0);
-  compare("dQ", actual.grad_q, reference.grad_q, scale);
-  compare("dK", actual.grad_k, reference.grad_k, scale);
-  compare("dV", actual.grad_v, reference.grad_v, scale);
-  compare("dMask", actual.grad_mask, reference.grad_mask, scale);
+  compare("output", actual.output, reference.output, magnitudes.output, 0.0);
+  compare("dQ", actual.grad_q, reference.grad_q, magnitudes.grad_q, largest_gradient);
+  compare("dK", actual.grad_k, reference.grad_k, magnitudes.grad_k, largest_gradient);
+  compare("dV", actual.grad_v, reference.grad_v, magnitudes.grad_v, largest_gradient);
+  compare("dMask", actual.grad_mask, reference.grad_mask, magnitudes.grad_mask, largest_gradient);
   return problems.str();
 }
 
@@ -370,11 +424,12 @@ std::vector<AttentionBackend> backends_to_check() {
 std::string check_case(const AttentionCase& c) {
   std::ostringstream report;
   const auto reference = run_case(c, AttentionBackend::Math, torch::kDouble);
+  const auto magnitudes = term_magnitudes(c);
   for (const auto backend : backends_to_check()) {
     if (backend == AttentionBackend::Math && c.dtype == torch::kDouble) continue;  // the reference itself
     try {
       const auto outcome = run_case(c, backend);
-      const auto problems = compare_outcomes(c, outcome, reference);
+      const auto problems = compare_outcomes(c, outcome, reference, magnitudes);
       if (!problems.empty()) report << "\n  " << backend << " (ran " << outcome.backend << "):" << problems;
     } catch (const c10::Error& error) {
       const std::string message = error.what_without_backtrace();
