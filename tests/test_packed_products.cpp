@@ -28,10 +28,11 @@ using qkv::kernels::tiled::Strided;
 
 std::vector<ProductKind> runnable_kinds() {
   std::vector<ProductKind> kinds;
-  for (auto isa : {ProductIsa::Portable, ProductIsa::Avx2, ProductIsa::Avx512, ProductIsa::Avx512Bf16}) {
+  for (auto isa : {ProductIsa::Portable, ProductIsa::Avx2, ProductIsa::Avx512, ProductIsa::Avx512Bf16,
+                   ProductIsa::AmxBf16}) {
     if (!qkv::kernels::tiled::at_least(detected_isa(), isa)) break;
-    kinds.push_back({isa, false});
-    if (isa == ProductIsa::Avx512Bf16) kinds.push_back({isa, true});
+    if (isa != ProductIsa::AmxBf16) kinds.push_back({isa, false});  // AMX's float32 products are AVX-512's
+    if (qkv::kernels::tiled::at_least(isa, ProductIsa::Avx512Bf16)) kinds.push_back({isa, true});
   }
   return kinds;
 }
@@ -165,16 +166,22 @@ TEST(PackedProducts, ReportsWhatTheCpuHas) {
   if (qkv::kernels::tiled::at_least(isa, ProductIsa::Avx2)) {
     EXPECT_NE(flags.find("avx2"), std::string::npos);
   }
-  if (isa == ProductIsa::Avx512Bf16) {
+  if (qkv::kernels::tiled::at_least(isa, ProductIsa::Avx512Bf16)) {
     EXPECT_NE(flags.find("avx512_bf16"), std::string::npos);
   }
-  // The flags as /proc/cpuinfo has them, where it exists: cpuid and the kernel agree.
+  if (isa == ProductIsa::AmxBf16) {
+    EXPECT_NE(flags.find("amx_bf16"), std::string::npos);
+  }
+  // The flags as /proc/cpuinfo has them, where it exists: cpuid and the kernel agree (a CPU with
+  // AMX whose tiles the kernel withholds would run AVX512_BF16: not seen here).
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line;
   while (std::getline(cpuinfo, line)) {
     if (line.rfind("flags", 0) != 0) continue;
-    const bool listed = line.find(" avx512_bf16") != std::string::npos;
-    EXPECT_EQ(listed, isa == ProductIsa::Avx512Bf16) << line;
+    const bool bf16 = line.find(" avx512_bf16") != std::string::npos;
+    const bool amx = line.find(" amx_bf16") != std::string::npos && line.find(" amx_tile") != std::string::npos;
+    EXPECT_EQ(bf16, qkv::kernels::tiled::at_least(isa, ProductIsa::Avx512Bf16)) << line;
+    EXPECT_EQ(bf16 && amx, isa == ProductIsa::AmxBf16) << line;
     break;
   }
 }
@@ -183,6 +190,57 @@ TEST(PackedProducts, RefusesBf16ProductsWithoutAvx512Bf16) {
   PackedRight packed;
   const float values[4] = {1, 2, 3, 4};
   EXPECT_THROW(packed.pack(Strided<float>{values, 2, 1}, 2, 2, ProductKind{ProductIsa::Avx512, true}), c10::Error);
+}
+
+// The AMX tiles' own edges, on a CPU that has them: products of more than one tile of 16 pairs
+// (k = 33 ... 300) with every tail, row counts around the 16- and 32-row blocks, bfloat16 A in
+// place (k a multiple of 32) and copied, float32 A rounded by rows and transposed; and a leading
+// part whose last tile would reach rows of B past k holding infinities and NaN, which must not
+// reach the sums (rows past k are zeroed before the product).
+TEST(PackedProducts, AmxTilesMatchFloat64AtTheirEdges) {
+  if (detected_isa() != ProductIsa::AmxBf16) GTEST_SKIP() << "no AMX-BF16 here: " << qkv::kernels::tiled::cpu_flags();
+  const ProductKind amx{ProductIsa::AmxBf16, true};
+  std::mt19937 random(9);
+  int cases = 0;
+  for (const int64_t m : {1, 15, 16, 17, 31, 32, 33, 64, 100}) {
+    for (const int64_t k : {32, 33, 64, 95, 256, 300}) {
+      for (const int64_t n : {16, 17, 32, 48, 64}) {
+        const bool transposed = (m + k + n) % 2 == 0;
+        const float alpha = cases % 3 == 0 ? 1.0f : 0.125f, beta = cases % 4 == 0 ? 1.0f : 0.0f;
+        check_product<float>(amx, m, n, k, transposed, (k + n) % 2 == 0, alpha, beta, random);
+        check_product<c10::BFloat16>(amx, m, n, k, cases % 5 == 0, (m + n) % 2 == 0, alpha, beta, random);
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 9 * 6 * 5);
+
+  // B (k_packed × n) with infinities and NaN in its rows past the leading k; A's k columns finite.
+  for (const int64_t k : {1, 7, 31, 33, 100}) {
+    const int64_t k_packed = k + 40, n = 40, m = 20;
+    std::vector<float> b(k_packed * n), a(m * k);
+    for (auto& x : a) x = draw<float>(random);
+    for (int64_t p = 0; p < k_packed; ++p) {
+      for (int64_t j = 0; j < n; ++j) {
+        b[p * n + j] = p < k ? draw<float>(random) : (j % 2 == 0 ? std::numeric_limits<float>::infinity() : NAN);
+      }
+    }
+    PackedRight packed;
+    packed.pack(Strided<float>{b.data(), n, 1}, k_packed, n, amx);
+    std::vector<float> c(m * n, 0.0f);
+    multiply(Strided<float>{a.data(), k, 1}, m, packed, 1.0f, 0.0f, c.data(), n, qkv::kernels::tiled::Leading{k, n});
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        double expected = 0.0, magnitude = 0.0;
+        for (int64_t p = 0; p < k; ++p) {
+          const double term = as_multiplied(a[i * k + p], true) * as_multiplied(b[p * n + j], true);
+          expected += term, magnitude += std::abs(term);
+        }
+        ASSERT_TRUE(std::isfinite(c[i * n + j])) << "k " << k << ": row " << i << " column " << j;
+        EXPECT_NEAR(c[i * n + j], expected, (k + 2) * 1.2e-7 * magnitude + 1e-6) << "k " << k;
+      }
+    }
+  }
 }
 
 TEST(RowOperations, ExpShiftedSumMatchesStdExp) {

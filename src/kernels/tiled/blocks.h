@@ -43,11 +43,12 @@ class SingleThreadedBlas {
 };
 
 /// How float32 and bfloat16 blocks multiply on this CPU: the active instruction set's float32
-/// micro-kernel, or its bfloat16 one for bfloat16 inputs where the CPU has AVX512_BF16.
+/// micro-kernel, or for bfloat16 inputs its bfloat16 products where the CPU has them (AMX tiles,
+/// else AVX512_BF16).
 template <typename scalar_t>
 ProductKind product_kind() {
   const ProductIsa isa = active_isa();
-  return {isa, std::is_same_v<scalar_t, c10::BFloat16> && isa == ProductIsa::Avx512Bf16};
+  return {isa, std::is_same_v<scalar_t, c10::BFloat16> && at_least(isa, ProductIsa::Avx512Bf16)};
 }
 
 /// The right operand B (k × n) of the kernel's block products C = alpha · A · B + beta · C, prepared

@@ -1,5 +1,7 @@
 #include "kernels/tiled/cpu_features.h"
 
+#include "kernels/tiled/amx_products.h"
+
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -63,10 +65,11 @@ const Flags& flags() {
 }
 
 ProductIsa parse_isa(std::string_view name) {
-  for (auto isa : {ProductIsa::Portable, ProductIsa::Avx2, ProductIsa::Avx512, ProductIsa::Avx512Bf16}) {
+  for (auto isa : {ProductIsa::Portable, ProductIsa::Avx2, ProductIsa::Avx512, ProductIsa::Avx512Bf16,
+                   ProductIsa::AmxBf16}) {
     if (name == isa_name(isa)) return isa;
   }
-  TORCH_CHECK(false, "QKV_TILED_ISA: expected one of portable, avx2, avx512, avx512_bf16, got '", name, "'");
+  TORCH_CHECK(false, "QKV_TILED_ISA: expected one of portable, avx2, avx512, avx512_bf16, amx_bf16, got '", name, "'");
 }
 
 }  // namespace
@@ -75,7 +78,10 @@ ProductIsa detected_isa() {
   const Flags& f = flags();
   if (!(f.avx2 && f.fma)) return ProductIsa::Portable;
   if (!(f.avx512f && f.avx512bw && f.avx512vl)) return ProductIsa::Avx2;
-  return f.avx512_bf16 ? ProductIsa::Avx512Bf16 : ProductIsa::Avx512;
+  if (!f.avx512_bf16) return ProductIsa::Avx512;
+  // AMX's registers need the kernel's leave per process (Linux 5.16 on); asked once.
+  static const bool tiles_granted = f.amx_tile && f.amx_bf16 && amx::request_tile_permission();
+  return tiles_granted ? ProductIsa::AmxBf16 : ProductIsa::Avx512Bf16;
 }
 
 ProductIsa active_isa() {
@@ -95,6 +101,7 @@ const char* isa_name(ProductIsa isa) {
     case ProductIsa::Avx2: return "avx2";
     case ProductIsa::Avx512: return "avx512";
     case ProductIsa::Avx512Bf16: return "avx512_bf16";
+    case ProductIsa::AmxBf16: return "amx_bf16";
   }
   return "unknown";
 }

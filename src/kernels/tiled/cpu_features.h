@@ -13,6 +13,7 @@ enum class ProductIsa {
   Avx2,        // AVX2 + FMA, 8 floats a register
   Avx512,      // AVX-512 F/BW/VL, 16 floats a register
   Avx512Bf16,  // and AVX512_BF16's vdpbf16ps: bfloat16 pairs multiplied, summed in float32
+  AmxBf16,     // and AMX-BF16's tiles (TDPBF16PS) for the bfloat16 products, where the kernel grants them
 };
 
 /// Whether `isa` includes `floor` (each instruction set includes the ones listed before it).
@@ -22,16 +23,16 @@ inline bool at_least(ProductIsa isa, ProductIsa floor) { return static_cast<int>
 ProductIsa detected_isa();
 
 /// What the kernel uses: detected_isa(), lowered by the environment variable QKV_TILED_ISA
-/// (portable, avx2, avx512, avx512_bf16) when set, so that tests and benchmarks can run the
+/// (portable, avx2, avx512, avx512_bf16, amx_bf16) when set, so that tests and benchmarks can run the
 /// narrower paths on a wide CPU. A value naming more than the CPU has is capped at what it has;
 /// an unknown value is an error naming the accepted ones. Read once.
 ProductIsa active_isa();
 
-/// "portable", "avx2", "avx512", "avx512_bf16".
+/// "portable", "avx2", "avx512", "avx512_bf16", "amx_bf16".
 const char* isa_name(ProductIsa isa);
 
 /// The CPU's flags that matter to the kernel, as /proc/cpuinfo names them, space-separated
-/// (e.g. "avx2 fma avx512f avx512bw avx512vl avx512_bf16"; amx_bf16 where present: reported, not used).
+/// (e.g. "avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16").
 std::string cpu_flags();
 
 }  // namespace qkv::kernels::tiled

@@ -4,6 +4,8 @@
 // run time which of them may run (cpu_features.cpp).
 #include "kernels/tiled/packed_products.h"
 
+#include "kernels/tiled/amx_products.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -22,9 +24,12 @@ namespace qkv::kernels::tiled {
 namespace {
 
 // Columns of a panel: two registers' worth on AVX-512 (32 floats, or 32 bfloat16 pairs), one for a
-// product of at most 16 columns there (the narrow tiles); 16 on AVX2 and the portable path.
-int64_t columns_per_panel(ProductIsa isa, int64_t n) {
-  return at_least(isa, ProductIsa::Avx512) && n > 16 ? 32 : 16;
+// product of at most 16 columns there (the narrow tiles); 16 on AVX2 and the portable path, and for
+// AMX's bfloat16 products (one tile wide: each tile of B is then 1 KiB in one piece, which the
+// tiles load fastest).
+int64_t columns_per_panel(ProductKind kind, int64_t n) {
+  if (kind.bf16 && kind.isa == ProductIsa::AmxBf16) return 16;
+  return at_least(kind.isa, ProductIsa::Avx512) && n > 16 ? 32 : 16;
 }
 
 inline float as_float(float x) { return x; }
@@ -219,6 +224,7 @@ void multiply_float(const float* a, int64_t ars, int64_t acs, int64_t m, const P
 #if defined(QKV_X86_64)
     case ProductIsa::Avx512:
     case ProductIsa::Avx512Bf16:
+    case ProductIsa::AmxBf16:
       if (b.panel_width() == 16) {
         drive<Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, alpha, beta, c, ldc);
       } else {
@@ -329,11 +335,15 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
   TORCH_CHECK(k <= b.k() && n <= b.n(), "tiled kernel: a product of B's leading ", k, " x ", n, " of a packed ", b.k(),
               " x ", b.n());
   if (m == 0 || n == 0) return;
+  if (b.kind().bf16 && b.kind().isa == ProductIsa::AmxBf16) {
+    amx::multiply(a, m, b, k, n, alpha, beta, c, ldc);
+    return;
+  }
   if (b.kind().bf16) {
 #if defined(QKV_X86_64)
     thread_local std::vector<uint16_t> scratch;
     // Pairs of B's rows: an odd k uses one more row of B, which A's zero after its k-th value cancels.
-    const int64_t depth = (b.k() + 1) / 2, pairs = (k + 1) / 2;
+    const int64_t depth = b.pair_depth(), pairs = (k + 1) / 2;
     const Pairs a_pairs = pairs_of(a, m, k, scratch);
     if (b.panel_width() == 16) {
       drive<Avx512Bf16NarrowTile, 12>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), depth, pairs,
@@ -361,22 +371,25 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
 
 template <typename T>
 void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind) {
-  TORCH_CHECK(!kind.bf16 || kind.isa == ProductIsa::Avx512Bf16,
-              "tiled kernel: bfloat16 products need AVX512_BF16, asked of ", isa_name(kind.isa));
+  TORCH_CHECK(!kind.bf16 || at_least(kind.isa, ProductIsa::Avx512Bf16),
+              "tiled kernel: bfloat16 products need AVX512_BF16 or AMX-BF16, asked of ", isa_name(kind.isa));
   TORCH_CHECK(at_least(detected_isa(), kind.isa), "tiled kernel: ", isa_name(kind.isa),
               " products asked of a CPU with ", isa_name(detected_isa()));
-  kind_ = kind, k_ = k, n_ = n, panel_ = columns_per_panel(kind.isa, n);
+  kind_ = kind, k_ = k, n_ = n, panel_ = columns_per_panel(kind, n);
   const auto at = [&](int64_t p, int64_t j) { return b.data[p * b.row_stride + j * b.col_stride]; };
   if (kind.bf16) {
     const int64_t panels = (n + panel_ - 1) / panel_, pairs = (k + 1) / 2;
-    bf16_.assign(static_cast<size_t>(panels * pairs * 2 * panel_), 0);
+    depth_ = kind.isa == ProductIsa::AmxBf16
+                 ? (pairs + amx::kPairsPerTile - 1) / amx::kPairsPerTile * amx::kPairsPerTile
+                 : pairs;
+    bf16_.assign(static_cast<size_t>(panels * depth_ * 2 * panel_), 0);
     int64_t first_column = 0;
 #if defined(QKV_X86_64)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (b.col_stride == 1 && panel_ == 32) {  // B's rows lie contiguous: whole panels, two rows at a time
         const auto* values = reinterpret_cast<const uint16_t*>(b.data);
         for (; first_column + panel_ <= n; first_column += panel_) {
-          uint16_t* panel = bf16_.data() + (first_column / panel_) * pairs * 2 * panel_;
+          uint16_t* panel = bf16_.data() + (first_column / panel_) * depth_ * 2 * panel_;
           for (int64_t p = 0; p + 2 <= k; p += 2) {
             interleave_rows(values + p * b.row_stride + first_column, values + (p + 1) * b.row_stride + first_column,
                             panel + (p / 2) * 2 * panel_);
@@ -391,7 +404,7 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
     }
 #endif
     for (int64_t j = first_column; j < n; ++j) {
-      uint16_t* column = bf16_.data() + (j / panel_) * pairs * 2 * panel_ + (j % panel_) * 2;
+      uint16_t* column = bf16_.data() + (j / panel_) * depth_ * 2 * panel_ + (j % panel_) * 2;
       int64_t p = 0;
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (b.row_stride == 1) {  // B = Xᵀ of a bfloat16 X: a pair of B's rows is two neighbours in X's row
@@ -404,6 +417,7 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
     return;
   }
   const int64_t panels = (n + panel_ - 1) / panel_;
+  depth_ = 0;
   f32_.resize(static_cast<size_t>(panels * k * panel_));
   for (int64_t jp = 0; jp < panels; ++jp) {
     float* panel = f32_.data() + jp * k * panel_;

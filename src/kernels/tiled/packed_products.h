@@ -29,15 +29,17 @@ struct Strided {
 };
 
 /// How a block product multiplies: float32 values on an instruction set's float path, or bfloat16
-/// pairs (only on ProductIsa::Avx512Bf16) accumulated in float32.
+/// pairs (on ProductIsa::Avx512Bf16 with vdpbf16ps, on ProductIsa::AmxBf16 with AMX tiles)
+/// accumulated in float32.
 struct ProductKind {
   ProductIsa isa = ProductIsa::Portable;
   bool bf16 = false;
 };
 
 /// The right operand B (k × n) of a block product, packed: float32 panels [n / NR][k][NR], or
-/// bfloat16 panels [n / 32][ceil(k / 2)][32][2] (row pairs interleaved for vdpbf16ps); padded with
-/// zeros to whole panels. Its storage is kept between packs, so a reused one allocates once.
+/// bfloat16 panels [n / 32][pair_depth()][32][2] (row pairs interleaved for vdpbf16ps, which is
+/// also AMX's layout of B; pair_depth() = ceil(k / 2), for AMX rounded up to whole tiles of 16
+/// pairs); padded with zeros. Its storage is kept between packs, so a reused one allocates once.
 class PackedRight {
  public:
   /// Packs b (k × n); bfloat16 products round float32 values to bfloat16 (nearest even).
@@ -48,6 +50,7 @@ class PackedRight {
   int64_t n() const { return n_; }
   ProductKind kind() const { return kind_; }
   int64_t panel_width() const { return panel_; }
+  int64_t pair_depth() const { return depth_; }
   const float* f32() const { return f32_.data(); }
   const uint16_t* bf16() const { return bf16_.data(); }
 
@@ -56,7 +59,7 @@ class PackedRight {
   void pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind);
 
   ProductKind kind_;
-  int64_t k_ = 0, n_ = 0, panel_ = 0;
+  int64_t k_ = 0, n_ = 0, panel_ = 0, depth_ = 0;
   std::vector<float> f32_;
   std::vector<uint16_t> bf16_;
 };
