@@ -232,8 +232,9 @@ QKV_TARGET_AMX void block(const LeftTiles& a, int64_t i0, const uint16_t* panels
     if constexpr (RT == 2) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RT == 2 && CT == 2) _tile_dpbf16ps(3, 5, 7);
   }
-  // The sums leave the tiles into a buffer of whole tiles (1 KiB each, in one piece: stores to
-  // C's rows directly, 1 KiB or more apart, measured slower), then alpha · sums + beta · C into C.
+  // The sums leave the tiles into a buffer of whole tiles (1 KiB each, in one piece: tile stores
+  // into C's rows, 1 KiB apart, measured slower where C is larger than L1, as the kernel's blocks
+  // of scores are), then alpha · sums + beta · C go into C's valid rows and columns.
   alignas(64) float sums[4][16 * 16];
   constexpr int64_t kSumsStride = 16 * sizeof(float);
   _tile_stored(0, sums[0], kSumsStride);
@@ -310,6 +311,38 @@ QKV_TARGET_AMX void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, 
 
 }  // namespace
 
+QKV_TARGET_AMX void pack_rows(const uint16_t* b, int64_t b_stride, int64_t k, int64_t n, int64_t depth,
+                              uint16_t* panels) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 columns = lanes16(n - j0);
+    uint16_t* panel = panels + (j0 / 16) * depth * 32;
+    for (int64_t p = 0; p < k; p += 2) {
+      const __m256i even = _mm256_maskz_loadu_epi16(columns, b + p * b_stride + j0);
+      const __m256i odd = p + 1 < k ? _mm256_maskz_loadu_epi16(columns, b + (p + 1) * b_stride + j0) : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+      _mm512_storeu_si512(panel + (p / 2) * 32, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+
+QKV_TARGET_AMX void pack_columns(const uint16_t* x, int64_t x_stride, int64_t k, int64_t n, int64_t depth,
+                                 uint16_t* panels) {
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    uint16_t* panel = panels + (j0 / 16) * depth * 32;
+    for (int64_t t0 = 0; 2 * t0 < k; t0 += 16) {
+      __m512i pairs[16];  // pairs[r]: column j0 + r's pairs t0 ..., then (transposed) pair t0 + r of every column
+      const __mmask32 values = lanes32(k - 2 * t0);
+      for (int r = 0; r < 16; ++r) {
+        pairs[r] = j0 + r < n ? _mm512_maskz_loadu_epi16(values, x + (j0 + r) * x_stride + 2 * t0) : _mm512_setzero_si512();
+      }
+      transpose_16x16(pairs);
+      for (int t = 0; t < 16; ++t) _mm512_storeu_si512(panel + (t0 + t) * 32, pairs[t]);
+    }
+  }
+}
+
 void multiply(Strided<float> a, int64_t m, const PackedRight& b, int64_t k, int64_t n, float alpha, float beta,
               float* c, int64_t ldc) {
   multiply_any(a, m, b, k, n, alpha, beta, c, ldc);
@@ -334,6 +367,12 @@ void multiply(Strided<c10::BFloat16>, int64_t, const PackedRight&, int64_t, int6
   TORCH_CHECK(false, "tiled kernel: AMX products on a platform without AMX");
 }
 bool request_tile_permission() { return false; }
+void pack_rows(const uint16_t*, int64_t, int64_t, int64_t, int64_t, uint16_t*) {
+  TORCH_CHECK(false, "tiled kernel: AMX packing on a platform without AMX");
+}
+void pack_columns(const uint16_t*, int64_t, int64_t, int64_t, int64_t, uint16_t*) {
+  TORCH_CHECK(false, "tiled kernel: AMX packing on a platform without AMX");
+}
 
 #endif
 

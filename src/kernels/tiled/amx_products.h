@@ -28,6 +28,13 @@ void multiply(Strided<float> a, int64_t m, const PackedRight& b, int64_t k, int6
 void multiply(Strided<c10::BFloat16> a, int64_t m, const PackedRight& b, int64_t k, int64_t n, float alpha,
               float beta, float* c, int64_t ldc);
 
+/// B (k × n) of bfloat16 values into PackedRight's AMX panels: one tile (16 columns) wide,
+/// `depth` pairs of rows deep (a multiple of kPairsPerTile), row pairs interleaved value by value;
+/// `panels` must hold zeros where B has no values. From B's rows (b_stride apart), or from X = Bᵀ's
+/// rows (B's columns, x_stride apart: the keys of Kᵀ), 16 × 16 pairs at a time.
+void pack_rows(const uint16_t* b, int64_t b_stride, int64_t k, int64_t n, int64_t depth, uint16_t* panels);
+void pack_columns(const uint16_t* x, int64_t x_stride, int64_t k, int64_t n, int64_t depth, uint16_t* panels);
+
 /// Asks Linux for this process's permission to use the tiles' 8 KiB register state (arch_prctl
 /// ARCH_REQ_XCOMP_PERM for XTILEDATA; without it the first tile instruction raises SIGILL). True
 /// when granted (or where no such permission exists); called once, by cpu_features.cpp.

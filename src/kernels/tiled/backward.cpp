@@ -154,15 +154,17 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
             if (probabilities != nullptr) {
               block_p = probabilities + ((b * p.H + h) * p.N + i0) * p.S;
             } else {
-              keys_transposed.multiply_into(q_rows, rows, p.scale, acc_t(0), recomputed.data(), cols, Leading{-1, seen});
-              p.apply_masks(b, h, i0, rows, j0, seen, recomputed.data(), cols);
+              keys_transposed.multiply_into(q_rows, rows, p.product_scale(), acc_t(0), recomputed.data(), cols,
+                                            Leading{-1, seen});
+              const acc_t factor =
+                  p.apply_masks(b, h, i0, rows, j0, seen, recomputed.data(), cols, p.deferred_scale());
               for (int64_t r = 0; r < rows; ++r) {
                 const acc_t row_lse = lse[(b * p.H + h) * p.N + i0 + r];
                 acc_t* row = recomputed.data() + r * cols;
                 if (row_lse == std::numeric_limits<acc_t>::infinity()) {  // a row with no key: P = 0
                   std::fill(row, row + seen, acc_t(0));
                 } else {
-                  exp_shifted_sum(row, seen, row_lse);
+                  exp_shifted_sum(row, seen, factor, row_lse);
                 }
               }
             }
@@ -200,16 +202,18 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
                             grad_probabilities.data() + r * cols, sizeof(acc_t) * static_cast<size_t>(seen));
               }
             }
-            // dK += scale · dSᵀ Q; dQ += scale · dS K
+            // dK += dSᵀ Q; dQ += dS K (each times the scale when it is written out)
             const Strided<acc_t> grad_scores_block{grad_probabilities.data(), cols, 1};
-            queries[rows_index].multiply_into(grad_scores_block.transposed(), seen, p.scale, acc_t(1),
+            queries[rows_index].multiply_into(grad_scores_block.transposed(), seen, acc_t(1), acc_t(1),
                                               grad_k_block.data(), p.D);
-            keys.multiply_into(grad_scores_block, rows, p.scale, acc_t(1), grad_q_rows + (g * p.N + i0) * p.D, p.D,
+            keys.multiply_into(grad_scores_block, rows, acc_t(1), acc_t(1), grad_q_rows + (g * p.N + i0) * p.D, p.D,
                                Leading{seen, -1});
           }
         }
         for (int64_t c = 0; c < cols; ++c) {
-          std::copy_n(grad_k_block.data() + c * p.D, p.D, grads.k.rows(b, kv_head, j0 + c));
+          const acc_t* dk = grad_k_block.data() + c * p.D;
+          scalar_t* dk_out = grads.k.rows(b, kv_head, j0 + c);
+          for (int64_t d = 0; d < p.D; ++d) dk_out[d] = static_cast<scalar_t>(dk[d] * p.scale);
           std::copy_n(grad_v_block.data() + c * p.Dv, p.Dv, grads.v.rows(b, kv_head, j0 + c));
         }
       }
@@ -217,7 +221,9 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
         for (int64_t i = 0; i < p.N; ++i) {
-          std::copy_n(grad_q_rows + (g * p.N + i) * p.D, p.D, grads.q.rows(b, h, i));
+          const acc_t* dq = grad_q_rows + (g * p.N + i) * p.D;
+          scalar_t* dq_out = grads.q.rows(b, h, i);
+          for (int64_t d = 0; d < p.D; ++d) dq_out[d] = static_cast<scalar_t>(dq[d] * p.scale);
         }
       }
     }
@@ -237,7 +243,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
         for (int64_t part = 0; part < split.parts(); ++part) {
           sum += partial_grad_q[(head * split.parts() + part) * values_per_head + offset + d];
         }
-        gq[d] = static_cast<scalar_t>(sum);
+        gq[d] = static_cast<scalar_t>(sum * p.scale);
       }
     }
   });

@@ -101,19 +101,19 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           narrow_keys.prepare({k.rows(b, kv_head, j0), 1, k.stride_row}, p.D, cols);
           narrow_values.prepare({v.rows(b, kv_head, j0), v.stride_row, 1}, cols, p.Dv);
         }
-        // Steps 1 and 2: scaled scores of the block.
-        keys->multiply_into(q_rows, rows, p.scale, acc_t(0), scores.data(), cols, Leading{-1, cols});
-        p.apply_masks(b, h, i0, rows, j0, cols, scores.data(), cols);
+        // Steps 1 and 2: scores of the block (scaled here, or by the exponential below: `factor`).
+        keys->multiply_into(q_rows, rows, p.product_scale(), acc_t(0), scores.data(), cols, Leading{-1, cols});
+        const acc_t factor = p.apply_masks(b, h, i0, rows, j0, cols, scores.data(), cols, p.deferred_scale());
         // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
         for (int64_t r = 0; r < rows; ++r) {
           acc_t* row = scores.data() + r * cols;
-          const acc_t new_max = nan_max(row_max[r], max_of(row, cols));
+          const acc_t new_max = nan_max(row_max[r], factor * max_of(row, cols));
           if (new_max == kNegInf) {  // nothing attended yet in this row
             std::fill(row, row + cols, acc_t(0));
             continue;
           }
           const acc_t correction = std::exp(row_max[r] - new_max);  // exp(-inf) = 0 on the first block
-          const acc_t sum = exp_shifted_sum(row, cols, new_max);
+          const acc_t sum = exp_shifted_sum(row, cols, factor, new_max);
           row_sum[r] = row_sum[r] * correction + sum;
           row_max[r] = new_max;
           if (correction != acc_t(1)) scale(accumulator.data() + r * p.Dv, p.Dv, correction);

@@ -13,8 +13,11 @@
 
 namespace qkv::kernels::tiled {
 
-// Measured on the 2-core development machine (B=8 H=8 N=512 D=32 forward+backward and B=1 H=8
-// N=4096 D=64 forward, float32, Br in {32, 64, 128} × Bc in {64, ..., 512}): 64 × 256 was fastest.
+// Measured on the 2-core development machine (AMD EPYC; B=8 H=8 N=512 D=32 forward+backward and
+// B=1 H=8 N=4096 D=64 forward, float32, Br in {32, 64, 128} × Bc in {64, ..., 512}): 64 × 256 was
+// fastest. On an Intel Xeon with AMX, bfloat16 with 128 keys per block was no faster: the tiles
+// store a 64 × 128 block of scores (32 KiB, in L1) about twice as fast as 64 × 256, but the
+// kernel's other work per block doubled with the number of blocks.
 constexpr int64_t kRowsPerBlock = 64;   // Br
 constexpr int64_t kKeysPerBlock = 256;  // Bc
 
@@ -60,6 +63,13 @@ struct Problem {
   DropoutStream dropout{0, 0.0};
 
   int64_t groups() const { return H / Hkv; }
+  // The softmax scale is applied after the block product QKᵀ where it can be, inside the
+  // exponential's fused multiply-add (or with an additive mask), so that the product's sums go
+  // out as they are; a scale that is not positive (which would turn the row maximum into a
+  // minimum) is applied by the product instead.
+  bool defers_scale() const { return scale > acc_t(0); }
+  acc_t product_scale() const { return defers_scale() ? acc_t(1) : scale; }
+  acc_t deferred_scale() const { return defers_scale() ? scale : acc_t(1); }
   // The first key that can matter to rows from i0 on: with a window, none before i0 - W + 1.
   int64_t key_begin(int64_t i0) const { return window > 0 ? std::max<int64_t>(0, i0 - window + 1) : 0; }
   // The first row block's start that can see keys from j0 on: causal rows above j0 never do.
@@ -74,8 +84,10 @@ struct Problem {
     return limit;
   }
   // Scores of rows [i0, i0 + rows) and keys [j0, j0 + cols) after the masks: -inf where masked.
-  void apply_masks(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols, acc_t* scores,
-                   int64_t ld) const {
+  // They come from the product still to be multiplied by `pending` (deferred_scale()); an additive
+  // mask applies it while adding itself. Returns what remains to be applied: `pending`, or 1.
+  acc_t apply_masks(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols, acc_t* scores,
+                    int64_t ld, acc_t pending) const {
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
     const int64_t length = key_lengths != nullptr ? key_lengths[b] : S;
     const bool partial_length = j0 + cols > length;
@@ -91,7 +103,7 @@ struct Problem {
             if (!mask.bools[base + (j0 + c) * mask.stride_key]) row[c] = kNegInf;
           }
         } else {
-          for (int64_t c = 0; c < cols; ++c) row[c] += mask.values[base + (j0 + c) * mask.stride_key];
+          for (int64_t c = 0; c < cols; ++c) row[c] = row[c] * pending + mask.values[base + (j0 + c) * mask.stride_key];
         }
       }
       if (partial_length) {
@@ -104,6 +116,7 @@ struct Problem {
         for (int64_t c = 0; c < std::min(cols, i - window + 1 - j0); ++c) row[c] = kNegInf;
       }
     }
+    return mask.values != nullptr ? acc_t(1) : pending;
   }
 };
 

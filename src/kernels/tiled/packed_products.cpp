@@ -386,6 +386,11 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
     int64_t first_column = 0;
 #if defined(QKV_X86_64)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (kind.isa == ProductIsa::AmxBf16) {  // one tile wide: AMX's own packing
+        const auto* values = reinterpret_cast<const uint16_t*>(b.data);
+        if (b.col_stride == 1) return amx::pack_rows(values, b.row_stride, k, n, depth_, bf16_.data());
+        if (b.row_stride == 1) return amx::pack_columns(values, b.col_stride, k, n, depth_, bf16_.data());
+      }
       if (b.col_stride == 1 && panel_ == 32) {  // B's rows lie contiguous: whole panels, two rows at a time
         const auto* values = reinterpret_cast<const uint16_t*>(b.data);
         for (; first_column + panel_ <= n; first_column += panel_) {

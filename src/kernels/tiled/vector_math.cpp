@@ -24,7 +24,7 @@ namespace qkv::kernels {
 
 namespace {
 
-float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float shift);
+float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift);
 
 // Whether the row operations take their AVX-512 versions (the instruction set the kernel's
 // products use, so QKV_TILED_ISA lowers both together).
@@ -38,19 +38,19 @@ __attribute__((target("avx512f"))) inline __mmask16 tail_lanes(int64_t left) {
 
 // The same polynomial as below, written for AVX-512: vscalefps multiplies by 2^k (the compiler's
 // version of the bit assembly and the NaN blends cost a fifth of the bf16 backward), and a NaN
-// passes through every step by itself (vmaxps returns its second operand when one is NaN).
-__attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_t n, float shift) {
-  const __m512 shift_v = _mm512_set1_ps(shift), lowest = _mm512_set1_ps(-87.0f), highest = _mm512_set1_ps(88.0f);
+// passes through every step by itself. No clamping: vscalefps gives infinity for a large k by
+// itself, and the lanes below -87 (-inf's among them, whose r is NaN) are set to 0 at the end.
+__attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_t n, float factor, float shift) {
+  const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift), lowest = _mm512_set1_ps(-87.0f);
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_high = _mm512_set1_ps(0.693359375f),
                ln2_low = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.0f);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = tail_lanes(n - i);
-    const __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + i), shift_v);
+    const __m512 v = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v, shift_v);
     const __mmask16 underflow = _mm512_cmp_ps_mask(v, lowest, _CMP_LT_OQ);  // exactly 0, masked (-inf) included
-    const __m512 clamped = _mm512_min_ps(highest, _mm512_max_ps(lowest, v));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(clamped, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(k, ln2_low, _mm512_fnmadd_ps(k, ln2_high, clamped));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(k, ln2_low, _mm512_fnmadd_ps(k, ln2_high, v));
     __m512 p = _mm512_set1_ps(1.9875691500E-4f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
@@ -72,25 +72,25 @@ __attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_
 
 }  // namespace
 
-float exp_shifted_sum(float* x, int64_t n, float shift) {
+float exp_shifted_sum(float* x, int64_t n, float factor, float shift) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &exp_shifted_sum_avx512;
 #endif
     return &exp_shifted_sum_compiled;
   }();
-  return implementation(x, n, shift);
+  return implementation(x, n, factor, shift);
 }
 
 namespace {
 
-QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float shift) {
+QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift) {
   // exp(v) = 2^k · exp(r), k = round(v / ln 2), r = v - k ln 2 in [-ln2/2, ln2/2]; exp(r) by the
   // minimax polynomial of Cephes' expf; 2^k by writing k into the exponent bits.
   constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
   constexpr float kRound = 12582912.0f;  // 1.5 · 2^23: adding and subtracting it rounds to an integer
   for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] - shift;
+    const float v = factor * x[i] - shift;  // one fused multiply-add where the clone has FMA
     // Written so that a NaN lands on -87 (every comparison with NaN is false): k then stays a small
     // integer, whose conversion and shift below are defined; the NaN itself is restored at the end.
     const float clamped = v >= -87.0f ? (v <= 88.0f ? v : 88.0f) : -87.0f;
@@ -122,10 +122,10 @@ QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, fl
 
 }  // namespace
 
-double exp_shifted_sum(double* x, int64_t n, double shift) {
+double exp_shifted_sum(double* x, int64_t n, double factor, double shift) {
   double sum = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - shift);
+    x[i] = std::exp(factor * x[i] - shift);
     sum += x[i];
   }
   return sum;

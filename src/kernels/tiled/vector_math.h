@@ -6,11 +6,15 @@
 
 namespace qkv::kernels {
 
-/// x[i] <- exp(x[i] - shift) for i < n, and returns their sum. Entries at or below shift - 87
-/// (masked ones are -inf) become exactly 0. float: a Cephes-style polynomial, relative error
-/// below 1e-7; double: std::exp.
-float exp_shifted_sum(float* x, int64_t n, float shift);
-double exp_shifted_sum(double* x, int64_t n, double shift);
+/// x[i] <- exp(factor · x[i] - shift) for i < n (factor > 0), and returns their sum. Entries
+/// where factor · x[i] - shift is below -87 (masked ones are -inf) become exactly 0; a NaN stays
+/// NaN. float: a Cephes-style polynomial, relative error below 1e-7 (factor · x[i] - shift formed
+/// by one fused multiply-add); double: std::exp. The factor is the softmax scale when the scores
+/// come unscaled from their product (kernel.h, Problem::deferred_scale).
+float exp_shifted_sum(float* x, int64_t n, float factor, float shift);
+double exp_shifted_sum(double* x, int64_t n, double factor, double shift);
+inline float exp_shifted_sum(float* x, int64_t n, float shift) { return exp_shifted_sum(x, n, 1.0f, shift); }
+inline double exp_shifted_sum(double* x, int64_t n, double shift) { return exp_shifted_sum(x, n, 1.0, shift); }
 
 /// The larger of a and b, where a NaN in either wins: a row with a NaN score must give NaN, as
 /// softmax does, not pass for a fully masked row (whose maximum is -inf). std::max drops a NaN in
