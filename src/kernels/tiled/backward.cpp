@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace qkv::kernels::tiled {
@@ -83,6 +84,8 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
     std::vector<acc_t> recomputed(kRowsPerBlock * kKeysPerBlock), grad_probabilities(kRowsPerBlock * kKeysPerBlock),
         dropped(kRowsPerBlock * kKeysPerBlock), grad_k_block, grad_v_block, grad_q_all, delta;
     std::vector<uint8_t> keep(kKeysPerBlock);
+    const bool bf16_products = product_kind<scalar_t>().bf16;
+    std::vector<c10::BFloat16> grad_scores_bf16(bf16_products ? kRowsPerBlock * kKeysPerBlock : 0);
     grad_k_block.resize(static_cast<size_t>(kKeysPerBlock * p.D));
     grad_v_block.resize(static_cast<size_t>(kKeysPerBlock * p.Dv));
     // The key block's Kᵀ, Vᵀ and K as right operands, and each query block's Q and dO (packed on
@@ -191,8 +194,16 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
             // dV += (P ⊙ Z / (1 - p))ᵀ dO
             grad_outputs[rows_index].multiply_into(Strided<acc_t>{value_weights, 1, cols}, seen, acc_t(1), acc_t(1),
                                                    grad_v_block.data(), p.Dv);
-            // dS = P ⊙ (dP - D_i), in place of dP.
+            // dS = P ⊙ (dP - D_i), in place of dP (and in bfloat16 for dQ's product where it multiplies bfloat16).
             for (int64_t r = 0; r < rows; ++r) {
+              if constexpr (std::is_same_v<acc_t, float>) {
+                if (bf16_products) {
+                  softmax_backward_to_bf16(block_p + r * cols, grad_probabilities.data() + r * cols, seen,
+                                           delta[g * p.N + i0 + r],
+                                           reinterpret_cast<uint16_t*>(grad_scores_bf16.data() + r * cols));
+                  continue;
+                }
+              }
               softmax_backward(block_p + r * cols, grad_probabilities.data() + r * cols, seen,
                                delta[g * p.N + i0 + r]);
             }
@@ -206,8 +217,15 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
             const Strided<acc_t> grad_scores_block{grad_probabilities.data(), cols, 1};
             queries[rows_index].multiply_into(grad_scores_block.transposed(), seen, acc_t(1), acc_t(1),
                                               grad_k_block.data(), p.D);
-            keys.multiply_into(grad_scores_block, rows, acc_t(1), acc_t(1), grad_q_rows + (g * p.N + i0) * p.D, p.D,
-                               Leading{seen, -1});
+            acc_t* grad_q_block = grad_q_rows + (g * p.N + i0) * p.D;
+            if constexpr (std::is_same_v<acc_t, float>) {
+              if (bf16_products) {
+                keys.multiply_into(Strided<c10::BFloat16>{grad_scores_bf16.data(), cols, 1}, rows, acc_t(1), acc_t(1),
+                                   grad_q_block, p.D, Leading{seen, -1});
+                continue;
+              }
+            }
+            keys.multiply_into(grad_scores_block, rows, acc_t(1), acc_t(1), grad_q_block, p.D, Leading{seen, -1});
           }
         }
         for (int64_t c = 0; c < cols; ++c) {

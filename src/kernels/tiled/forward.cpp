@@ -16,6 +16,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace qkv::kernels::tiled {
@@ -70,6 +71,10 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         row_sum(kRowsPerBlock);
     std::vector<uint8_t> keep(kKeysPerBlock);
     accumulator.resize(static_cast<size_t>(kRowsPerBlock * p.Dv));
+    // Where the block products multiply bfloat16, the weights of step 4 go straight from the
+    // exponential into bfloat16 (unless they are kept for the backward or dropped out first).
+    const bool bf16_weights = product_kind<scalar_t>().bf16 && probabilities == nullptr && !p.dropout.active();
+    std::vector<c10::BFloat16> weights(bf16_weights ? kRowsPerBlock * kKeysPerBlock : 0);
     PackedHead<scalar_t> head;
     // A window's unaligned block, packed for one use (see below); kept here so that its storage is reused.
     RightOperand<scalar_t> narrow_keys, narrow_values;
@@ -109,11 +114,22 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           acc_t* row = scores.data() + r * cols;
           const acc_t new_max = nan_max(row_max[r], factor * max_of(row, cols));
           if (new_max == kNegInf) {  // nothing attended yet in this row
-            std::fill(row, row + cols, acc_t(0));
+            if (bf16_weights) {
+              std::fill_n(weights.data() + r * cols, cols, c10::BFloat16(0.0f));
+            } else {
+              std::fill(row, row + cols, acc_t(0));
+            }
             continue;
           }
           const acc_t correction = std::exp(row_max[r] - new_max);  // exp(-inf) = 0 on the first block
-          const acc_t sum = exp_shifted_sum(row, cols, factor, new_max);
+          acc_t sum;
+          if constexpr (std::is_same_v<acc_t, float>) {
+            sum = bf16_weights ? exp_shifted_sum_to_bf16(row, cols, factor, new_max,
+                                                         reinterpret_cast<uint16_t*>(weights.data() + r * cols))
+                               : exp_shifted_sum(row, cols, factor, new_max);
+          } else {
+            sum = exp_shifted_sum(row, cols, factor, new_max);
+          }
           row_sum[r] = row_sum[r] * correction + sum;
           row_max[r] = new_max;
           if (correction != acc_t(1)) scale(accumulator.data() + r * p.Dv, p.Dv, correction);
@@ -129,6 +145,13 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           }
         }
         // Step 4: the block's weighted values.
+        if constexpr (std::is_same_v<acc_t, float>) {
+          if (bf16_weights) {
+            values->multiply_into(Strided<c10::BFloat16>{weights.data(), cols, 1}, rows, acc_t(1), acc_t(1),
+                                  accumulator.data(), p.Dv, Leading{cols, -1});
+            continue;
+          }
+        }
         values->multiply_into(Strided<acc_t>{scores.data(), cols, 1}, rows, acc_t(1), acc_t(1), accumulator.data(),
                               p.Dv, Leading{cols, -1});
       }

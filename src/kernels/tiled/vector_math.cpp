@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -40,33 +41,46 @@ __attribute__((target("avx512f"))) inline __mmask16 tail_lanes(int64_t left) {
 // version of the bit assembly and the NaN blends cost a fifth of the bf16 backward), and a NaN
 // passes through every step by itself. No clamping: vscalefps gives infinity for a large k by
 // itself, and the lanes below -87 (-inf's among them, whose r is NaN) are set to 0 at the end.
-__attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_t n, float factor, float shift) {
-  const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift), lowest = _mm512_set1_ps(-87.0f);
+__attribute__((target("avx512f"))) inline __m512 exp_of(__m512 v, __mmask16 lanes) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_high = _mm512_set1_ps(0.693359375f),
                ln2_low = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);  // -inf included
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(k, ln2_low, _mm512_fnmadd_ps(k, ln2_high, v));
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  const __m512 exp_r = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, one));
+  return _mm512_maskz_mov_ps(lanes & ~underflow, _mm512_scalef_ps(exp_r, k));
+}
+
+__attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_t n, float factor, float shift) {
+  const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = tail_lanes(n - i);
-    const __m512 v = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v, shift_v);
-    const __mmask16 underflow = _mm512_cmp_ps_mask(v, lowest, _CMP_LT_OQ);  // exactly 0, masked (-inf) included
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(k, ln2_low, _mm512_fnmadd_ps(k, ln2_high, v));
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    const __m512 exp_r = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, one));
-    const __m512 e = _mm512_maskz_mov_ps(lanes & ~underflow, _mm512_scalef_ps(exp_r, k));
+    const __m512 e = exp_of(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v, shift_v), lanes);
     _mm512_mask_storeu_ps(x + i, lanes, e);
     sum = _mm512_add_ps(sum, e);
   }
-  alignas(64) float partial[16];
-  _mm512_store_ps(partial, sum);
-  float total = 0.0f;
-  for (float lane : partial) total += lane;
-  return total;
+  return _mm512_reduce_add_ps(sum);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) float exp_shifted_sum_to_bf16_avx512(const float* x, int64_t n,
+                                                                                  float factor, float shift,
+                                                                                  uint16_t* out) {
+  const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = tail_lanes(n - i);
+    const __m512 e = exp_of(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v, shift_v), lanes);
+    _mm256_mask_storeu_epi16(out + i, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 #endif
 
@@ -80,6 +94,37 @@ float exp_shifted_sum(float* x, int64_t n, float factor, float shift) {
     return &exp_shifted_sum_compiled;
   }();
   return implementation(x, n, factor, shift);
+}
+
+namespace {
+
+// float32 to bfloat16 bits, rounded to nearest even; a NaN stays a (quiet) NaN.
+uint16_t bf16_bits(float value) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  if (value != value) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float exp_shifted_sum_to_bf16_portable(const float* x, int64_t n, float factor, float shift, uint16_t* out) {
+  thread_local std::vector<float> values;
+  values.assign(x, x + n);
+  const float sum = exp_shifted_sum(values.data(), n, factor, shift);
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(values[i]);
+  return sum;
+}
+
+}  // namespace
+
+float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shift, uint16_t* out) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512Bf16)) return &exp_shifted_sum_to_bf16_avx512;
+#endif
+    return &exp_shifted_sum_to_bf16_portable;
+  }();
+  return implementation(x, n, factor, shift, out);
 }
 
 namespace {
@@ -211,6 +256,39 @@ QKV_VECTORISED void softmax_backward(const float* __restrict p, float* __restric
 
 void softmax_backward(const double* p, double* ds, int64_t n, double delta) {
   for (int64_t i = 0; i < n; ++i) ds[i] = p[i] * (ds[i] - delta);
+}
+
+namespace {
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void softmax_backward_to_bf16_avx512(
+    const float* p, float* ds, int64_t n, float delta, uint16_t* out) {
+  const __m512 delta_v = _mm512_set1_ps(delta);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = tail_lanes(n - i);
+    const __m512 value = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, p + i),
+                                       _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, ds + i), delta_v));
+    _mm512_mask_storeu_ps(ds + i, lanes, value);
+    _mm256_mask_storeu_epi16(out + i, lanes, (__m256i)_mm512_cvtneps_pbh(value));
+  }
+}
+#endif
+
+void softmax_backward_to_bf16_portable(const float* p, float* ds, int64_t n, float delta, uint16_t* out) {
+  softmax_backward(p, ds, n, delta);
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(ds[i]);
+}
+
+}  // namespace
+
+void softmax_backward_to_bf16(const float* p, float* ds, int64_t n, float delta, uint16_t* out) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512Bf16)) return &softmax_backward_to_bf16_avx512;
+#endif
+    return &softmax_backward_to_bf16_portable;
+  }();
+  implementation(p, ds, n, delta, out);
 }
 
 namespace {

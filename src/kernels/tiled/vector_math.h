@@ -14,6 +14,11 @@ namespace qkv::kernels {
 float exp_shifted_sum(float* x, int64_t n, float factor, float shift);
 double exp_shifted_sum(double* x, int64_t n, double factor, double shift);
 inline float exp_shifted_sum(float* x, int64_t n, float shift) { return exp_shifted_sum(x, n, 1.0f, shift); }
+
+/// As exp_shifted_sum, but the exponentials go to `out` as bfloat16 (raw bits, rounded to nearest
+/// even), for the bfloat16 block products that multiply them next, and x is left as it was; the
+/// sum is of the float32 values. One pass where rounding the float32 results afterwards took two.
+float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shift, uint16_t* out);
 inline double exp_shifted_sum(double* x, int64_t n, double shift) { return exp_shifted_sum(x, n, 1.0, shift); }
 
 /// The larger of a and b, where a NaN in either wins: a row with a NaN score must give NaN, as
@@ -35,6 +40,9 @@ void scale(double* x, int64_t n, double factor);
 /// ds[i] <- p[i] * (ds[i] - delta): softmax's backward for one row.
 void softmax_backward(const float* p, float* ds, int64_t n, float delta);
 void softmax_backward(const double* p, double* ds, int64_t n, double delta);
+/// The same, and ds also to `out` as bfloat16 (raw bits, nearest even) for the bfloat16 product
+/// that multiplies it next.
+void softmax_backward_to_bf16(const float* p, float* ds, int64_t n, float delta, uint16_t* out);
 
 /// keep[c] <- 1 when hash(row_key, first + c) >= threshold, else 0, for c < n: dropout's decision
 /// for n consecutive columns of one row. The hash chains lowbias32 (Wellons' integer hash) over the
