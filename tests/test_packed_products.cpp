@@ -272,6 +272,61 @@ TEST(RowOperations, ExpShiftedSumMatchesStdExp) {
   EXPECT_EQ(with_nan[0], 1.0f);
 }
 
+// The exponentials rounded to bfloat16 on their way out (the bfloat16 products' weights), on the
+// path QKV_TILED_ISA leaves: each within one rounding of exp itself (nearest even, so at most half a
+// bfloat16 step of 2^-8 relative, plus the polynomial's 1e-7), the sum that of the float32 values,
+// x untouched; and softmax's backward likewise.
+TEST(RowOperations, ExponentialsAndSoftmaxBackwardRoundedToBFloat16) {
+  std::mt19937 random(5);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t n : {1, 15, 16, 17, 100, 256}) {
+    std::vector<float> x(n);
+    for (auto& value : x) value = std::uniform_real_distribution<float>(-30.0f, 3.0f)(random);
+    const bool with_nan = n == 100;
+    if (n > 2) x[1] = -inf;
+    if (with_nan) x[2] = std::numeric_limits<float>::quiet_NaN();
+    const auto before = x;
+    std::vector<uint16_t> bits(n, 0xFFFF);
+    const float factor = 0.7f, shift = 1.5f;
+    const float sum = qkv::kernels::exp_shifted_sum_to_bf16(x.data(), n, factor, shift, bits.data());
+    double expected_sum = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(x[i] == before[i] || (std::isnan(x[i]) && std::isnan(before[i]))) << "x changed at " << i;
+      c10::BFloat16 got;
+      got.x = bits[i];
+      const double v = static_cast<double>(factor) * x[i] - shift;
+      if (std::isnan(v)) {
+        EXPECT_TRUE(std::isnan(static_cast<float>(got))) << "NaN at " << i << " of " << n;
+        continue;
+      }
+      if (v < -87.0) {
+        EXPECT_EQ(static_cast<float>(got), 0.0f);
+        continue;
+      }
+      const double expected = std::exp(v);
+      expected_sum += expected;
+      EXPECT_LE(std::abs(static_cast<double>(got) - expected), (0.5 / 128 + 1e-6) * expected) << "v = " << v;
+    }
+    if (with_nan) {
+      EXPECT_TRUE(std::isnan(sum)) << "a NaN exponential must reach the sum";
+    } else {
+      EXPECT_NEAR(sum, expected_sum, 1e-6 * expected_sum) << "n = " << n;
+    }
+
+    std::vector<float> p(n), ds(n);
+    for (int64_t i = 0; i < n; ++i) p[i] = std::uniform_real_distribution<float>(0.0f, 1.0f)(random), ds[i] = draw<float>(random);
+    const auto ds_before = ds;
+    qkv::kernels::softmax_backward_to_bf16(p.data(), ds.data(), n, 0.25f, bits.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const float expected = p[i] * (ds_before[i] - 0.25f);
+      EXPECT_FLOAT_EQ(ds[i], expected);
+      c10::BFloat16 got;
+      got.x = bits[i];
+      EXPECT_EQ(got.x, c10::BFloat16(expected).x) << "rounded differently from c10::BFloat16 at " << i;
+    }
+  }
+}
+
 TEST(RowOperations, MaxOfLetsANaNWin) {
   std::mt19937 random(4);
   for (int64_t n : {1, 7, 16, 33, 256}) {
