@@ -23,8 +23,20 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 build_dir=${QKV_BUILD_DIR:-$root/build}
-[[ -n "${QKV_SKIP_BUILD:-}" ]] || "$root/scripts/build.sh" qkv-train > /dev/null
+[[ -n "${QKV_SKIP_BUILD:-}" ]] || "$root/scripts/build.sh" qkv-train qkv-bench > /dev/null
 train="$build_dir/apps/qkv-train"
+# Debian 12's OpenBLAS takes some newer CPUs (an Intel Xeon of the Emerald Rapids generation) for
+# an old one and runs generic kernels, for LibTorch's float32 products on both sides of the
+# comparison; qkv-bench says which OPENBLAS_CORETYPE fits, and it is set for every side (unless
+# already set). The chroots' newer OpenBLAS recognise such CPUs by themselves.
+if [[ -z "${OPENBLAS_CORETYPE:-}" ]]; then
+  coretype=$("$build_dir/apps/qkv-bench" --blas-advice | grep -o 'OPENBLAS_CORETYPE=[A-Z0-9]*' | cut -d= -f2 || true)
+  if [[ -n "$coretype" ]]; then
+    export OPENBLAS_CORETYPE=$coretype
+    echo "bench_lm: OpenBLAS does not recognise this CPU: OPENBLAS_CORETYPE=$coretype for every side" >&2
+  fi
+fi
+
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python=/usr/bin/python3

@@ -6,6 +6,7 @@
 #include <qkv/functional.h>
 
 #include "kernels/kernels.h"
+#include "kernels/tiled/blocks.h"
 #include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/tiled_cpu.h"
 #include "torch_compat.h"
@@ -201,5 +202,9 @@ AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch
 }
 
 std::string tiled_instruction_set() { return kernels::tiled::isa_name(kernels::tiled::active_isa()); }
+
+std::string blas_core() { return kernels::tiled::blas_core(); }
+
+std::string blas_core_advice() { return kernels::tiled::blas_core_advice(); }
 
 }  // namespace qkv

@@ -46,4 +46,26 @@ TEST(BenchApp, ListsTheCasesOfTheSharedCaseFileAndRefusesBadFlags) {
   EXPECT_THAT(bad.output, HasSubstr("--device"));
 }
 
+// OpenBLAS's own generic kernels forced (OPENBLAS_CORETYPE=PRESCOTT, what it falls back to for a
+// CPU it does not know) on a CPU with AVX2 or more: qkv-bench says so and names a core type that
+// fits; with a core type that fits, it says nothing. The context reports the core either way.
+TEST(BenchApp, SaysWhenOpenBlasRunsItsGenericKernels) {
+  auto generic = qkv_test::run_command("OPENBLAS_CORETYPE=PRESCOTT " + std::string(QKV_BENCH_PATH) + " --blas-advice");
+  ASSERT_EQ(generic.exit_code, 0) << generic.output;
+  auto fitting = qkv_test::run_command("OPENBLAS_CORETYPE=HASWELL " + std::string(QKV_BENCH_PATH) + " --blas-advice");
+  ASSERT_EQ(fitting.exit_code, 0) << fitting.output;
+  auto context = qkv_test::run_command("OPENBLAS_CORETYPE=PRESCOTT " + std::string(QKV_BENCH_PATH) +
+                                       " --threads 1 --benchmark_filter='^documents_forward(/|$)' "
+                                       "--benchmark_min_time=0.001 --benchmark_format=json");
+  ASSERT_EQ(context.exit_code, 0) << context.output;
+  const auto core = nlohmann::json::parse(context.output)["context"].value("blas_core", "");
+  if (core.empty()) GTEST_SKIP() << "qkv was built without OpenBLAS";
+  EXPECT_EQ(core, "Prescott");
+  const bool avx2 = qkv_test::run_command("grep -qw avx2 /proc/cpuinfo").exit_code == 0;
+  if (!avx2) GTEST_SKIP() << "no AVX2 here: OpenBLAS's generic kernels are all it has";
+  EXPECT_THAT(generic.output, HasSubstr("generic 'Prescott' kernels"));
+  EXPECT_THAT(generic.output, ::testing::ContainsRegex("OPENBLAS_CORETYPE=(COOPERLAKE|SKYLAKEX|HASWELL)"));
+  EXPECT_EQ(fitting.output, "");
+}
+
 }  // namespace

@@ -253,12 +253,18 @@ int main(int argc, char** argv) {
   app.option_defaults()->always_capture_default();
   std::string device_name = "cpu";
   int threads = 0;
-  bool list = false, list_all = false;
+  bool list = false, list_all = false, blas_advice = false;
   app.add_option("--device", device_name, "Run the cases of this device")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--threads", threads, "CPU threads for LibTorch (0 = its default)")->check(CLI::Range(0, 1024));
   app.add_flag("--list", list, "Print the cases of --device, one per line, and exit");
   app.add_flag("--all", list_all, "With --list: the optional cases too (long memory probes)");
+  app.add_flag("--blas-advice", blas_advice,
+               "Print what OpenBLAS's choice of kernels for this CPU needs (an OPENBLAS_CORETYPE, or nothing) and exit");
   if (const auto exit_code = qkv_cli::parse(app, argc, argv)) return *exit_code;
+  if (blas_advice) {
+    if (const auto advice = qkv::blas_core_advice(); !advice.empty()) std::printf("%s\n", advice.c_str());
+    return 0;
+  }
   if (device_name == "cuda" && !torch::cuda::is_available()) {
     std::fprintf(stderr, "qkv-bench: --device cuda: no CUDA device is available to this LibTorch (%s)\n",
                  TORCH_VERSION);
@@ -290,6 +296,8 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("torch_threads", std::to_string(torch::get_num_threads()));
   benchmark::AddCustomContext("device", device.str());
   benchmark::AddCustomContext("tiled_isa", qkv::tiled_instruction_set());
+  benchmark::AddCustomContext("blas_core", qkv::blas_core());
+  if (const auto advice = qkv::blas_core_advice(); !advice.empty()) std::fprintf(stderr, "qkv-bench: %s\n", advice.c_str());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
     set_threads(config, env);
     const auto device = rank_device(config.device_name, env);
     if (config.device_name == "auto") spdlog::info("--device auto: using {}", device.str());
-    spdlog::debug("LibTorch {}, {} threads", TORCH_VERSION, torch::get_num_threads());
+    spdlog::debug("LibTorch {}, {} threads, OpenBLAS core {}", TORCH_VERSION, torch::get_num_threads(), qkv::blas_core());
+    if (const auto advice = qkv::blas_core_advice(); !advice.empty() && device.is_cpu()) spdlog::warn("{}", advice);
     const auto& task = qkv_train::find_task(config.task);
     if (!task.trained() || config.generate) {
       const auto summary = config.generate ? qkv_train::run_lm_generation(config, device) : task.run(config, device);

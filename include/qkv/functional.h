@@ -39,4 +39,15 @@ AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
 /// lowers it (to compare paths, or to rule one out).
 std::string tiled_instruction_set();
 
+/// The CPU OpenBLAS chose its kernels for ("SkylakeX", "Cooperlake", "Zen", ...; "" without
+/// OpenBLAS). Debian's LibTorch multiplies float32 matrices with the same OpenBLAS.
+std::string blas_core();
+
+/// "" unless OpenBLAS fell back to its generic kernels on a CPU with AVX2 or more (Debian 12's
+/// OpenBLAS 0.3.21 takes an Intel Xeon of the Emerald Rapids generation for a "Prescott", and its
+/// float32 products run at 29 instead of about 150-220 GFLOP/s on 2 cores); else one line saying
+/// so and which OPENBLAS_CORETYPE to run with (the variable is read when OpenBLAS loads, before
+/// any of qkv's code runs, so a program cannot set it for itself).
+std::string blas_core_advice();
+
 }  // namespace qkv

@@ -63,6 +63,30 @@ bool gemm_uses_blas() {
 #endif
 }
 
+std::string blas_core() {
+#if defined(QKV_HAVE_CBLAS) && defined(OPENBLAS_VERSION)
+  const char* name = openblas_get_corename();
+  return name != nullptr ? name : "";
+#else
+  return "";
+#endif
+}
+
+std::string blas_core_advice() {
+  const std::string core = blas_core();
+  // OpenBLAS's fallbacks for a CPU it does not know: its oldest x86-64 cores, SSE3 at most.
+  const bool generic = core == "Prescott" || core == "Core2" || core == "Penryn" || core == "Dunnington" ||
+                       core == "Nehalem" || core == "Atom" || core == "Barcelona" || core == "Opteron";
+  const ProductIsa isa = detected_isa();
+  if (!generic || !at_least(isa, ProductIsa::Avx2)) return "";
+  const char* suggested = at_least(isa, ProductIsa::Avx512Bf16) ? "COOPERLAKE"
+                          : at_least(isa, ProductIsa::Avx512) ? "SKYLAKEX"
+                                                              : "HASWELL";
+  return "OpenBLAS runs its generic '" + core + "' kernels on this CPU (" + cpu_flags() +
+         "), which it does not recognise: LibTorch's float32 matrix products are several times slower "
+         "than they could be; run with OPENBLAS_CORETYPE=" + suggested;
+}
+
 SingleThreadedBlas::SingleThreadedBlas() {
 #if defined(QKV_HAVE_OPENMP)
   saved_ = omp_get_max_threads();

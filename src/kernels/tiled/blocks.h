@@ -1,6 +1,7 @@
 // Block products of the tiled kernel and what they need around them. Private to qkv.
 #pragma once
 
+#include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/packed_products.h"
 
 #include <c10/util/BFloat16.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -26,6 +28,16 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, d
 
 /// Whether gemm goes through a CBLAS (else plain loops).
 bool gemm_uses_blas();
+
+/// The CPU OpenBLAS chose its kernels for (openblas_get_corename: "SkylakeX", "Cooperlake",
+/// "Zen", ...), "" without OpenBLAS. LibTorch's float32 products on Debian run on the same choice.
+std::string blas_core();
+
+/// "" unless OpenBLAS fell back to its generic kernels on a CPU with AVX2 or more (Debian 12's
+/// OpenBLAS 0.3.21 takes an Intel Xeon of the Emerald Rapids generation for a "Prescott": float32
+/// products at 29 instead of 150-220 GFLOP/s, measured on 2 cores here); then what to do about it
+/// (OPENBLAS_CORETYPE, read when OpenBLAS loads, before any of qkv's code runs).
+std::string blas_core_advice();
 
 /// For the lifetime of the guard the calling thread asks OpenMP for one thread, then restores the
 /// previous setting. Each task of at::parallel_for calls BLAS on its own small blocks; OpenBLAS's
