@@ -34,9 +34,10 @@ AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
                                 const ScaledDotProductAttentionOptions& options);
 
 /// The instruction set the tiled CPU backend's block products run on in this process, chosen at
-/// run time from the CPU: "avx512_bf16" (bfloat16 inputs multiply as bfloat16 pairs, vdpbf16ps),
-/// "avx512", "avx2" (with FMA) or "portable". The environment variable QKV_TILED_ISA, read once,
-/// lowers it (to compare paths, or to rule one out).
+/// run time from the CPU: "amx_bf16" (bfloat16 inputs multiply on AMX tiles), "avx512_bf16"
+/// (bfloat16 inputs multiply as bfloat16 pairs, vdpbf16ps), "avx512", "avx2" (with FMA) or
+/// "portable". The environment variable QKV_TILED_ISA, read once, lowers it (to compare paths, or
+/// to rule one out).
 std::string tiled_instruction_set();
 
 /// The CPU OpenBLAS chose its kernels for ("SkylakeX", "Cooperlake", "Zen", ...; "" without
