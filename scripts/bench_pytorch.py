@@ -297,8 +297,10 @@ def main():
     if case["kind"] == "sgemm":
         available = ["documents"]  # one product: the implementation is torch.mm either way
     impls = [i for i in (args.impl or case.get("pytorch_impls", available)) if i in available]
-    if not impls:
-        sys.exit(f"bench_pytorch.py: torch {torch.__version__} has none of {case.get('pytorch_impls')} for {args.case}")
+    if not impls:  # exit status 3: this torch cannot run the case (scripts/bench.sh leaves the side out)
+        print(f"bench_pytorch.py: torch {torch.__version__} has none of {case.get('pytorch_impls')} for {args.case}",
+              file=sys.stderr)
+        sys.exit(3)
     results = [time_case(case, impl, device, args.min_time, args.repetitions) for impl in impls]
     print(json.dumps({"case": args.case, "torch_version": torch.__version__, "threads": torch.get_num_threads(),
                       "python": sys.version.split()[0], "results": results}))

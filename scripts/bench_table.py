@@ -163,6 +163,7 @@ def main():
         "device": args.device, "threads": args.threads, "cpu": cpu_model(), "cores": os.cpu_count(),
         "blas": blas_library(), "libtorch_cpp": context.get("torch_version"), "pytorch": side_versions,
         "cpu_flags": cpu_flags(), "qkv_tiled_isa": context.get("tiled_isa"),
+        "openblas_core": context.get("blas_core"), "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
         "google_benchmark": {k: context.get(k) for k in ("library_version", "library_build_type", "num_cpus", "mhz_per_cpu")},
         "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else None,
     }
@@ -171,7 +172,11 @@ def main():
 
     described = ", ".join(f"{side}: PyTorch {v['torch_version']} (Python {v['python']})" for side, v in side_versions.items())
     print(f"qkv vs PyTorch on {args.device}: {meta['date']}, {meta['cpu']} ({meta['cores']} cores), "
-          f"{args.threads} threads, BLAS {meta['blas']}, LibTorch {meta['libtorch_cpp']} (C++); {described}; "
+          f"{args.threads} threads, BLAS {meta['blas']}"
+          + (f" (OpenBLAS core {meta['openblas_core']}" + (f", OPENBLAS_CORETYPE={meta['openblas_coretype']})"
+                                                        if meta["openblas_coretype"] else ")")
+             if meta["openblas_core"] else "")
+          + f", LibTorch {meta['libtorch_cpp']} (C++); {described}; "
           f"CPU flags: {' '.join(meta['cpu_flags']) or 'none of avx2, avx512f, avx512_bf16, amx_bf16'}; "
           f"qkv's tiled kernel ran on {meta['qkv_tiled_isa'] or 'unknown'}"
           + (f", GPU {meta['gpu']}" if meta["gpu"] else ""))
