@@ -113,7 +113,7 @@ std::vector<int64_t> draw_mask_shape(Chooser& chooser, const AttentionCase& c) {
 
 }  // namespace
 
-AttentionCase draw_case(Chooser& chooser, int64_t max_positions) {
+AttentionCase draw_case(Chooser& chooser, int64_t max_positions, const std::function<void(AttentionCase&)>& shape_rule) {
   AttentionCase c;
   c.unbatched = chooser.chance(8);
   c.B = c.unbatched ? 1 : chooser.one_of<int64_t>({1, 2, 3});
@@ -126,6 +126,7 @@ AttentionCase draw_case(Chooser& chooser, int64_t max_positions) {
   c.S = chooser.chance(3) ? c.N : bounded(chooser.one_of(positions));
   c.D = chooser.one_of<int64_t>({1, 3, 8, 16, 33, 64});
   c.Dv = chooser.chance(4) ? chooser.one_of<int64_t>({1, 5, 16}) : c.D;
+  if (shape_rule) shape_rule(c);
   c.causal = chooser.chance(3);
   // A sliding window in half the causal cases: 1 and 2 keys, odd ones, and one wider than S.
   if (c.causal && chooser.chance(2)) c.window = chooser.one_of<int64_t>({1, 2, 5, 17, 64, c.S + c.N});

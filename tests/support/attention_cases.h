@@ -99,8 +99,11 @@ struct AttentionCase {
   std::string describe() const;
 };
 
-/// Draws a case. `max_positions` bounds N and S (the fuzzer keeps cases small).
-AttentionCase draw_case(Chooser& chooser, int64_t max_positions = 160);
+/// Draws a case. `max_positions` bounds N and S (the fuzzer keeps cases small). `shape_rule`, if
+/// given, may change the drawn sizes (B, H, Hkv, N, S, D, Dv) before the mask, layouts and dtype
+/// are drawn for them (a test of one family of shapes).
+AttentionCase draw_case(Chooser& chooser, int64_t max_positions = 160,
+                        const std::function<void(AttentionCase&)>& shape_rule = {});
 
 /// The case's leaf tensors and the views the backends see.
 struct CaseTensors {
