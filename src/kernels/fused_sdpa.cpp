@@ -26,9 +26,9 @@ torch::Tensor dense(const torch::Tensor& t) {
 // share a key/value head are G rows against the same keys. q (..., H, 1, D) viewed as
 // (..., Hkv, G, D) (a view: H splits into Hkv × G, the row dimension of size 1 goes), and the kernel
 // needs no grouped-head support. That support is slow or a copy: PyTorch 2.6's CPU kernel with
-// enable_gqa took 86 µs at 128 keys and 1234 µs at 1024 for one row of 8 heads on 2, against 13 and
-// 28 µs with the key/value heads repeated (docs/PERFORMANCE.md, "Decoding"); before 2.5 they are
-// repeated here, a copy of the whole cache for every token.
+// enable_gqa took 86 µs at 128 keys and 1234 µs at 1024 for one row of 8 heads on 2, against 13
+// and 28 µs with the key/value heads repeated (docs/PERFORMANCE.md, issue 22's decoding figures);
+// before 2.5 they are repeated here, a copy of the whole cache for every token.
 std::vector<int64_t> grouped_rows_shape(c10::IntArrayRef shape, int64_t groups) {
   auto folded = shape.vec();  // (..., H, 1, X) -> (..., Hkv, G, X)
   folded[folded.size() - 3] /= groups;
