@@ -20,6 +20,14 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 intrinsics pass an undefined vector as the unused merge source, which its own
+// -Wuninitialized and -Wmaybe-uninitialized then report at each use (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 #define QKV_AMX 1
 #define QKV_TARGET_AMX \
   __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))

@@ -15,8 +15,10 @@
 
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's AVX-512 intrinsics pass an undefined vector as the unused merge source, which its own
-// -Wmaybe-uninitialized then reports at each use (GCC bug 105593).
+// -Wmaybe-uninitialized (and, with the sanitizers' -O1, -Wuninitialized) then reports at each use
+// (GCC bug 105593).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 #define QKV_VECTORISED __attribute__((target_clones("avx2,fma", "default")))
