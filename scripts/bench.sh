@@ -50,6 +50,12 @@ else
   mapfile -t cases < <("$bench" --device "$device" --list)
 fi
 [[ ${#cases[@]} -gt 0 ]] || { echo "bench.sh: no $device case matches '$filter'" >&2; exit 2; }
+# Google Benchmark 1.8 and later want a unit on --benchmark_min_time (and warn without one);
+# 1.7 (Debian 12) refuses one. Ask the binary which it is.
+min_time_flag=$min_time
+if "$bench" --benchmark_min_time="${min_time}s" --benchmark_filter='^$' > /dev/null 2>&1; then
+  min_time_flag=${min_time}s
+fi
 
 # The PyTorch side of one case: here, or in a Debian release's chroot (the repository is at /qkv there).
 run_pytorch() {
@@ -71,7 +77,7 @@ for round in $(seq 1 "$rounds"); do
   for case in "${cases[@]}"; do
     echo "bench: round $round/$rounds: $case" >&2
     "$bench" --device "$device" --threads "$threads" --benchmark_filter="^${case}(/|\$)" \
-      --benchmark_min_time="$min_time" --benchmark_format=json > "$raw/qkv-$case-$round.json"
+      --benchmark_min_time="$min_time_flag" --benchmark_format=json > "$raw/qkv-$case-$round.json"
     for side in "${pytorch_sides[@]}"; do
       # Exit status 3: that torch has no implementation of the case (PyTorch 1.13: no SDPA, so no
       # causal or bfloat16 attention); the table shows none for it.
