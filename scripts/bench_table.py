@@ -112,6 +112,14 @@ def read_pytorch(raw, side, name):
     return results, context
 
 
+def openblas_text(meta):
+    """' (OpenBLAS core X, OPENBLAS_CORETYPE=Y)' for the table's first line, or '' without OpenBLAS."""
+    if not meta["openblas_core"]:
+        return ""
+    forced = f", OPENBLAS_CORETYPE={meta['openblas_coretype']}" if meta["openblas_coretype"] else ""
+    return f" (OpenBLAS core {meta['openblas_core']}{forced})"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--raw", required=True)
@@ -172,11 +180,7 @@ def main():
 
     described = ", ".join(f"{side}: PyTorch {v['torch_version']} (Python {v['python']})" for side, v in side_versions.items())
     print(f"qkv vs PyTorch on {args.device}: {meta['date']}, {meta['cpu']} ({meta['cores']} cores), "
-          f"{args.threads} threads, BLAS {meta['blas']}"
-          + (f" (OpenBLAS core {meta['openblas_core']}" + (f", OPENBLAS_CORETYPE={meta['openblas_coretype']})"
-                                                        if meta["openblas_coretype"] else ")")
-             if meta["openblas_core"] else "")
-          + f", LibTorch {meta['libtorch_cpp']} (C++); {described}; "
+          f"{args.threads} threads, BLAS {meta['blas']}{openblas_text(meta)}, LibTorch {meta['libtorch_cpp']} (C++); {described}; "
           f"CPU flags: {' '.join(meta['cpu_flags']) or 'none of avx2, avx512f, avx512_bf16, amx_bf16'}; "
           f"qkv's tiled kernel ran on {meta['qkv_tiled_isa'] or 'unknown'}"
           + (f", GPU {meta['gpu']}" if meta["gpu"] else ""))

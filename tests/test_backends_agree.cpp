@@ -12,6 +12,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <limits>
@@ -23,22 +24,26 @@ using qkv_test::AttentionCase;
 using qkv_test::Layout;
 using qkv_test::MaskKind;
 
-// 500 cases from fixed seeds; every failing case is printed whole with its draw seed.
-// QKV_AGREE_SEED=N reruns draw seed N alone (e.g. under a debugger).
-TEST(BackendsAgree, RandomCasesOverLayoutsMasksDtypesAndBackends) {
-  uint32_t first = 0, last = 500;
-  if (const char* only = std::getenv("QKV_AGREE_SEED")) first = static_cast<uint32_t>(std::stoul(only)), last = first + 1;
+// The cases drawn from seeds first .. last - 1 by `draw`, each checked; every failing case is
+// printed whole with its draw seed. Returns the number that failed.
+int failed_draws(uint32_t first, uint32_t last, const std::function<AttentionCase(qkv_test::Chooser&, uint32_t)>& draw) {
   int failures = 0;
   for (uint32_t seed = first; seed < last; ++seed) {
     qkv_test::RandomChooser chooser(seed);
-    const auto c = qkv_test::draw_case(chooser);
-    const auto report = qkv_test::check_case(c);
+    const auto report = qkv_test::check_case(draw(chooser, seed));
     if (!report.empty()) {
       ++failures;
       ADD_FAILURE() << "draw seed " << seed << ": " << report;
     }
   }
-  EXPECT_EQ(failures, 0);
+  return failures;
+}
+
+// 500 cases from fixed seeds. QKV_AGREE_SEED=N reruns draw seed N alone (e.g. under a debugger).
+TEST(BackendsAgree, RandomCasesOverLayoutsMasksDtypesAndBackends) {
+  uint32_t first = 0, last = 500;
+  if (const char* only = std::getenv("QKV_AGREE_SEED")) first = static_cast<uint32_t>(std::stoul(only)), last = first + 1;
+  EXPECT_EQ(failed_draws(first, last, [](qkv_test::Chooser& chooser, uint32_t) { return qkv_test::draw_case(chooser); }), 0);
 }
 
 // One query row with grouped key/value heads, a decoded token's shape: the fused backend attends
@@ -46,20 +51,14 @@ TEST(BackendsAgree, RandomCasesOverLayoutsMasksDtypesAndBackends) {
 // kind and shape (per head (H, 1, S) ones split with the heads), causal and windowed rows, layouts
 // and gradients are drawn for it here, 150 cases, against the math path in float64.
 TEST(BackendsAgree, OneQueryRowOfGroupedHeads) {
-  int failures = 0;
-  for (uint32_t seed = 0; seed < 150; ++seed) {
-    qkv_test::RandomChooser chooser(10000 + seed);
-    const auto c = qkv_test::draw_case(chooser, /*max_positions=*/300, [&](AttentionCase& drawn) {
-      drawn.N = 1;
-      drawn.H = drawn.Hkv * (seed % 2 == 0 ? 2 : 4);
-    });
-    const auto report = qkv_test::check_case(c);
-    if (!report.empty()) {
-      ++failures;
-      ADD_FAILURE() << "draw seed " << 10000 + seed << ": " << report;
-    }
-  }
-  EXPECT_EQ(failures, 0);
+  EXPECT_EQ(failed_draws(10000, 10150,
+                         [](qkv_test::Chooser& chooser, uint32_t seed) {
+                           return qkv_test::draw_case(chooser, /*max_positions=*/300, [seed](AttentionCase& drawn) {
+                             drawn.N = 1;
+                             drawn.H = drawn.Hkv * (seed % 2 == 0 ? 2 : 4);
+                           });
+                         }),
+            0);
 }
 
 // The cases the review reported, each alone: a key made with unfold (stride(-2) = 1 < D), a

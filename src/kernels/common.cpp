@@ -20,6 +20,20 @@ int64_t query_groups(const torch::Tensor& q, const torch::Tensor& k) {
   return q.dim() >= 3 && k.size(-3) > 0 ? q.size(-3) / k.size(-3) : 1;
 }
 
+torch::Tensor stack_groups(const torch::Tensor& t, int64_t groups) {
+  auto sizes = t.sizes().vec();
+  sizes[sizes.size() - 3] /= groups;
+  sizes[sizes.size() - 2] *= groups;
+  return t.reshape(sizes);
+}
+
+torch::Tensor unstack_groups(const torch::Tensor& t, int64_t groups) {
+  auto sizes = t.sizes().vec();
+  sizes[sizes.size() - 3] *= groups;
+  sizes[sizes.size() - 2] /= groups;
+  return t.reshape(sizes);
+}
+
 PreparedMask prepare_mask(const ScaledDotProductAttentionOptions& options, const torch::Tensor& q, int64_t num_keys) {
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   PreparedMask prepared;

@@ -22,30 +22,6 @@ torch::Tensor dense(const torch::Tensor& t) {
   return t.is_non_overlapping_and_dense() && (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
 }
 
-// One query row per head (a decoded token) with grouped key/value heads: the G query heads that
-// share a key/value head are G rows against the same keys. q (..., H, 1, D) viewed as
-// (..., Hkv, G, D) (a view: H splits into Hkv × G, the row dimension of size 1 goes), and the kernel
-// needs no grouped-head support. That support is slow or a copy: PyTorch 2.6's CPU kernel with
-// enable_gqa took 86 µs at 128 keys and 1234 µs at 1024 for one row of 8 heads on 2, against 13
-// and 28 µs with the key/value heads repeated (docs/PERFORMANCE.md, issue 22's decoding figures);
-// before 2.5 they are repeated here, a copy of the whole cache for every token.
-std::vector<int64_t> grouped_rows_shape(c10::IntArrayRef shape, int64_t groups) {
-  auto folded = shape.vec();  // (..., H, 1, X) -> (..., Hkv, G, X)
-  folded[folded.size() - 3] /= groups;
-  folded[folded.size() - 2] = groups;
-  return folded;
-}
-
-// A mask broadcastable to (..., H, 1, S), for the folded rows: one with a head dimension of H splits
-// it like q; one without (or of size 1) broadcasts over the G rows as it did over the heads.
-torch::Tensor mask_for_grouped_rows(const torch::Tensor& mask, int64_t heads, int64_t groups) {
-  if (mask.dim() < 3 || mask.size(-3) == 1) return mask;
-  // check_attention_inputs let through only masks broadcastable to (..., H, 1, S)
-  TORCH_CHECK(mask.size(-3) == heads && mask.size(-2) == 1, "scaled_dot_product_attention: expected a mask "
-              "broadcastable to (..., ", heads, ", 1, S), got ", mask.sizes());
-  return mask.reshape(grouped_rows_shape(mask.sizes(), groups));
-}
-
 // at::scaled_dot_product_attention as each LibTorch version has it: the scale argument since 2.1,
 // grouped key/value heads (enable_gqa) since 2.5.
 torch::Tensor call_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -98,13 +74,17 @@ AttentionResult fused_attention(const torch::Tensor& q_in, const torch::Tensor& 
   const int64_t groups = options.enable_gqa() ? query_groups(q, k) : 1;
   torch::Tensor output;
   if (groups > 1 && num_queries == 1 && !kernel_causal) {
-    const auto rows = q.reshape(grouped_rows_shape(q.sizes(), groups));  // (..., Hkv, G, D), a view
-    c10::optional<torch::Tensor> rows_mask;
-    if (mask) rows_mask = mask_for_grouped_rows(*mask, q.size(-3), groups);
-    auto output_shape = q.sizes().vec();
-    output_shape.back() = v.size(-1);
-    output = call_kernel(rows, k, v, rows_mask, dropout, /*causal=*/false, scale, /*groups=*/1)
-                 .reshape(output_shape);  // (..., Hkv, G, Dv) -> (..., H, 1, Dv)
+    // One query row per head (a decoded token) with grouped key/value heads: the G query heads of a
+    // key/value head are G rows against the same keys, q (..., H, 1, D) viewed as (..., Hkv, G, D),
+    // so the kernel needs no grouped-head support. That support is slow or a copy: PyTorch 2.6's CPU
+    // kernel with enable_gqa took 86 µs at 128 keys and 1234 µs at 1024 for one row of 8 heads on 2,
+    // against 13 and 28 µs with the key/value heads repeated (docs/PERFORMANCE.md, issue 22's
+    // decoding figures); before 2.5 they are repeated, a copy of the whole cache for every token.
+    // A mask with a head dimension (validated as H) stacks like q; one without broadcasts over the rows.
+    if (mask && mask->dim() >= 3 && mask->size(-3) > 1) mask = stack_groups(*mask, groups);
+    output = unstack_groups(call_kernel(stack_groups(q, groups), k, v, mask, dropout, /*causal=*/false, scale,
+                                        /*groups=*/1),
+                            groups);  // (..., Hkv, G, Dv) -> (..., H, 1, Dv)
   } else {
     output = call_kernel(q, k, v, mask, dropout, kernel_causal, scale, groups);
   }

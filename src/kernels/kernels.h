@@ -32,6 +32,13 @@ double resolved_scale(const ScaledDotProductAttentionOptions& options, int64_t h
 /// Query heads per key/value head: H / Hkv with enable_gqa, else 1.
 int64_t query_groups(const torch::Tensor& q, const torch::Tensor& k);
 
+/// Grouped-query attention without copying keys or values: the G query heads that share a
+/// key/value head stacked along the query axis, (..., H, N, X) -> (..., Hkv, G·N, X), so that each
+/// key/value head meets all of its queries in one product (a view where the layout allows).
+torch::Tensor stack_groups(const torch::Tensor& t, int64_t groups);
+/// The inverse: (..., Hkv, G·N, X) -> (..., H, N, X), a view of a contiguous result.
+torch::Tensor unstack_groups(const torch::Tensor& t, int64_t groups);
+
 /// The mask every backend applies, with the causal mask folded in, and the rows that it leaves
 /// without any key ("dead" rows). Softmax over a row of -inf is NaN; qkv gives such rows a zero
 /// output and zero gradients instead.

@@ -10,28 +10,6 @@
 #include <limits>
 
 namespace qkv::kernels {
-namespace {
-
-// Grouped-query attention without copying keys or values: the G query heads that share a
-// key/value head are stacked along the query axis, (..., H, N, X) -> (..., Hkv, G·N, X), so each
-// key/value head meets all of its queries in one product.
-torch::Tensor stack_groups(const torch::Tensor& t, int64_t groups) {
-  auto sizes = t.sizes().vec();
-  const auto heads = sizes[sizes.size() - 3];
-  sizes[sizes.size() - 3] = heads / groups;
-  sizes[sizes.size() - 2] *= groups;
-  return t.reshape(sizes);
-}
-
-// The inverse: (..., Hkv, G·N, X) -> (..., H, N, X), a view of the product's contiguous result.
-torch::Tensor unstack_groups(const torch::Tensor& t, int64_t groups) {
-  auto sizes = t.sizes().vec();
-  sizes[sizes.size() - 3] *= groups;
-  sizes[sizes.size() - 2] /= groups;
-  return t.reshape(sizes);
-}
-
-}  // namespace
 
 AttentionResult math_attention(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                                const ScaledDotProductAttentionOptions& options, const torch::Tensor& dropout_keep) {
