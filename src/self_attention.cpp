@@ -204,8 +204,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> SelfAttentionImpl::proje
   const auto &wq = W_q->weight, &wk = W_k->weight, &wv = W_v->weight;
   const bool bias = options.bias();
   const auto separately = [&]() -> std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> {
-    namespace F = torch::nn::functional;
-    return {F::linear(x, wq, W_q->bias), F::linear(x, wk, W_k->bias), F::linear(x, wv, W_v->bias)};
+    return {compat::linear(x, wq, W_q->bias), compat::linear(x, wk, W_k->bias), compat::linear(x, wv, W_v->bias)};
   };
   // One product or three by the number of rows alone, never by grad mode: a checkpointed block's
   // forward (without autograd) and its recomputation (with) must compute the same numbers. One
@@ -233,7 +232,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> SelfAttentionImpl::proje
     weight = torch::cat({wq, wk, wv});
     if (bias) bias_vector = torch::cat({W_q->bias, W_k->bias, W_v->bias});
   }
-  const auto projected = torch::nn::functional::linear(x, weight, bias_vector);  // (…, E + 2·KD)
+  const auto projected = compat::linear(x, weight, bias_vector);  // (…, E + 2·KD)
   auto parts = projected.split_with_sizes({E, KD, KD}, /*dim=*/-1);
   return {parts[0], parts[1], parts[2]};
 }
@@ -295,7 +294,9 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   if (self) {
     std::tie(q_projected, k_projected, v_projected) = project_self(query, /*decoding=*/false);
   } else {
-    q_projected = W_q(query), k_projected = W_k(key), v_projected = W_v(value);
+    q_projected = compat::linear(query, W_q->weight, W_q->bias);
+    k_projected = compat::linear(key, W_k->weight, W_k->bias);
+    v_projected = compat::linear(value, W_v->weight, W_v->bias);
   }
 
   if (H == 1 && Hkv == 1 && mask.empty() && !options.rope()) {
@@ -306,7 +307,7 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
     auto result = scaled_dot_product_attention(q_projected, k_projected, v_projected,
                                                attention_options(need_weights));  // (…, N, E)
     SelfAttentionOutput out;
-    out.output = W_o ? W_o(result.output) : result.output;
+    out.output = W_o ? compat::linear(result.output, W_o->weight, W_o->bias) : result.output;
     if (need_weights) out.weights = result.weights.unsqueeze(-3);  // (B, 1, N, S) / (1, N, S)
     out.backend = result.backend;
     return out;
@@ -343,7 +344,7 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
       attention_options(need_weights).mask(detail::merge_attention_mask(other_parts, target)).key_lengths(lengths));
 
   auto output = join_heads(result.output);  // (B, N, E)
-  if (W_o) output = W_o(output);
+  if (W_o) output = compat::linear(output, W_o->weight, W_o->bias);
 
   SelfAttentionOutput out;
   out.output = batched ? output : output.squeeze(0);
@@ -496,7 +497,7 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
     }
   }
   auto output = join_heads(scaled_dot_product_attention(q, keys, values, attention).output);  // (B, T, E)
-  return W_o ? W_o(output) : output;
+  return W_o ? compat::linear(output, W_o->weight, W_o->bias) : output;
 }
 
 }  // namespace qkv

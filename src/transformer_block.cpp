@@ -5,6 +5,8 @@
 
 #include <qkv/checkpoint.h>
 
+#include "torch_compat.h"
+
 #include <torch/torch.h>
 
 namespace qkv {
@@ -50,7 +52,8 @@ void TransformerBlockImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor TransformerBlockImpl::mlp(const torch::Tensor& x) {
-  return mlp_proj(torch::gelu(mlp_fc(x)));  // (…, E) -> (…, mlp_ratio·E) -> (…, E)
+  return compat::linear(torch::gelu(compat::linear(x, mlp_fc->weight, mlp_fc->bias)), mlp_proj->weight,
+                        mlp_proj->bias);  // (…, E) -> (…, mlp_ratio·E) -> (…, E)
 }
 
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const AttentionMask& mask) {
