@@ -353,4 +353,58 @@ TEST(RowOperations, MaxOfLetsANaNWin) {
   EXPECT_EQ(qkv::kernels::max_of(masked, 3), -std::numeric_limits<float>::infinity());
 }
 
+// The kernel's row writers and D_i's dot product, on whichever instruction set this run has
+// (ctest repeats RowOperations under QKV_TILED_ISA=portable, avx2, avx512, ...): lengths around
+// the 16-lane vectors, against float64 sums (error bound: n float32 products and additions of
+// terms at most max|a·b|, n·2^-23 of Σ|a·b| with room) and against c10::BFloat16's own rounding,
+// bit for bit, NaN, infinities and denormals included.
+TEST(RowOperations, DotAndScaledWritesMatchFloat64AndBFloat16Rounding) {
+  std::mt19937 random(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int64_t n : {0, 1, 5, 15, 16, 17, 31, 32, 33, 64, 100}) {
+    SCOPED_TRACE("n = " + std::to_string(n));
+    std::vector<float> a(n), b(n), out(n);
+    std::vector<c10::BFloat16> a16(n), b16(n);
+    std::vector<uint16_t> bits(n);
+    for (int64_t i = 0; i < n; ++i) a[i] = normal(random), b[i] = normal(random);
+    for (int64_t i = 0; i < n; ++i) a16[i] = c10::BFloat16(a[i]), b16[i] = c10::BFloat16(b[i]);
+    double exact = 0, magnitude = 0, exact16 = 0, magnitude16 = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      exact += double(a[i]) * double(b[i]), magnitude += std::abs(double(a[i]) * double(b[i]));
+      exact16 += double(float(a16[i])) * double(float(b16[i]));
+      magnitude16 += std::abs(double(float(a16[i])) * double(float(b16[i])));
+    }
+    const double bound = (double(n) + 2) * std::ldexp(1.0, -23) * magnitude + 1e-30;
+    EXPECT_NEAR(qkv::kernels::dot(a.data(), b.data(), n), exact, bound);
+    const double bound16 = (double(n) + 2) * std::ldexp(1.0, -23) * magnitude16 + 1e-30;
+    EXPECT_NEAR(qkv::kernels::dot(reinterpret_cast<const uint16_t*>(a16.data()),
+                                  reinterpret_cast<const uint16_t*>(b16.data()), n),
+                exact16, bound16);
+    // Specials among the values to write: NaN, ±inf, a denormal, ±0, values halfway between two
+    // bfloat16 (ties to even both ways).
+    std::vector<float> x = a;
+    const float specials[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity(), 1e-39f, -0.0f, 1.00390625f, 1.01171875f};
+    for (int64_t i = 0; i < n && i < 7; ++i) x[(i * 5) % n] = specials[i];
+    for (const float factor : {1.0f, 0.125f, -3.0f}) {
+      qkv::kernels::scale_into(x.data(), n, factor, out.data());
+      qkv::kernels::scale_into(x.data(), n, factor, bits.data());
+      for (int64_t i = 0; i < n; ++i) {
+        const float expected = x[i] * factor;
+        if (std::isnan(expected)) {
+          EXPECT_TRUE(std::isnan(out[i])) << i;
+          c10::BFloat16 got;
+          got.x = bits[i];
+          EXPECT_TRUE(std::isnan(float(got))) << "bfloat16 at " << i;
+          continue;
+        }
+        EXPECT_EQ(out[i], expected) << i;
+        EXPECT_EQ(std::signbit(out[i]), std::signbit(expected)) << i;
+        EXPECT_EQ(bits[i], c10::BFloat16(expected).x) << "rounded differently from c10::BFloat16 at " << i << " ("
+                                                        << expected << ", factor " << factor << ")";
+      }
+    }
+  }
+}
+
 }  // namespace

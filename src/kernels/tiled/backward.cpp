@@ -107,11 +107,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
         for (int64_t i = 0; i < p.N; ++i) {
-          const scalar_t* o_row = out.rows(b, h, i);
-          const scalar_t* go_row = grad_out.rows(b, h, i);
-          acc_t sum = 0;
-          for (int64_t d = 0; d < p.Dv; ++d) sum += static_cast<acc_t>(o_row[d]) * static_cast<acc_t>(go_row[d]);
-          delta[g * p.N + i] = sum;
+          delta[g * p.N + i] = dot_of<scalar_t, acc_t>(out.rows(b, h, i), grad_out.rows(b, h, i), p.Dv);
         }
       }
       const int64_t key_end = p.key_limit(b, p.N);
@@ -229,19 +225,15 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
           }
         }
         for (int64_t c = 0; c < cols; ++c) {
-          const acc_t* dk = grad_k_block.data() + c * p.D;
-          scalar_t* dk_out = grads.k.rows(b, kv_head, j0 + c);
-          for (int64_t d = 0; d < p.D; ++d) dk_out[d] = static_cast<scalar_t>(dk[d] * p.scale);
-          std::copy_n(grad_v_block.data() + c * p.Dv, p.Dv, grads.v.rows(b, kv_head, j0 + c));
+          write_scaled(grad_k_block.data() + c * p.D, p.D, p.scale, grads.k.rows(b, kv_head, j0 + c));
+          write_scaled(grad_v_block.data() + c * p.Dv, p.Dv, acc_t(1), grads.v.rows(b, kv_head, j0 + c));
         }
       }
       if (split.parts() > 1) continue;  // dQ once every part is done
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
         for (int64_t i = 0; i < p.N; ++i) {
-          const acc_t* dq = grad_q_rows + (g * p.N + i) * p.D;
-          scalar_t* dq_out = grads.q.rows(b, h, i);
-          for (int64_t d = 0; d < p.D; ++d) dq_out[d] = static_cast<scalar_t>(dq[d] * p.scale);
+          write_scaled(grad_q_rows + (g * p.N + i) * p.D, p.D, p.scale, grads.q.rows(b, h, i));
         }
       }
     }

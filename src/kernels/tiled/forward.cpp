@@ -160,7 +160,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         scalar_t* out_row = out.rows(b, h, i);
         const bool dead = row_sum[r] == acc_t(0);
         const acc_t inverse = dead ? acc_t(0) : acc_t(1) / row_sum[r];
-        for (int64_t d = 0; d < p.Dv; ++d) out_row[d] = static_cast<scalar_t>(accumulator[r * p.Dv + d] * inverse);
+        write_scaled(accumulator.data() + r * p.Dv, p.Dv, inverse, out_row);
         lse[(b * p.H + h) * p.N + i] =
             dead ? std::numeric_limits<acc_t>::infinity() : row_max[r] + std::log(row_sum[r]);
       }

@@ -295,6 +295,116 @@ void softmax_backward_to_bf16(const float* p, float* ds, int64_t n, float delta,
 
 namespace {
 
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, int64_t n) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = tail_lanes(n - i);
+    sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, a + i), _mm512_maskz_loadu_ps(lanes, b + i), sum);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// 16 bfloat16 values widened to float32: their bits are the high half of the float's.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 widen_bf16(const uint16_t* x, __mmask16 lanes) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x)), 16));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) float dot_bf16_avx512(const uint16_t* a, const uint16_t* b,
+                                                                           int64_t n) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = tail_lanes(n - i);
+    sum = _mm512_fmadd_ps(widen_bf16(a + i, lanes), widen_bf16(b + i, lanes), sum);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// bf16_bits on 16 lanes with integer operations (no AVX512_BF16, whose conversion also flushes
+// denormals to zero): + 0x7FFF + the lowest kept bit, then the high half; a NaN keeps its high half, made quiet.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_into_bf16_avx512(const float* x, int64_t n,
+                                                                                 float factor, uint16_t* out) {
+  const __m512 factor_v = _mm512_set1_ps(factor);
+  const __m512i rounding = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x40);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = tail_lanes(n - i);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i high = _mm512_srli_epi32(bits, 16);
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(bits, rounding), _mm512_and_si512(high, one)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, quiet));
+    _mm256_mask_storeu_epi16(out + i, lanes, _mm512_cvtepi32_epi16(rounded));
+  }
+}
+#endif
+
+float dot_portable(const float* a, const float* b, int64_t n) {
+  float partial[16] = {};
+  for (int64_t i = 0; i < n; ++i) partial[i % 16] += a[i] * b[i];
+  float sum = 0;
+  for (float p : partial) sum += p;
+  return sum;
+}
+
+float widened(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value = 0;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+float dot_bf16_portable(const uint16_t* a, const uint16_t* b, int64_t n) {
+  float partial[16] = {};
+  for (int64_t i = 0; i < n; ++i) partial[i % 16] += widened(a[i]) * widened(b[i]);
+  float sum = 0;
+  for (float p : partial) sum += p;
+  return sum;
+}
+
+void scale_into_bf16_portable(const float* x, int64_t n, float factor, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(x[i] * factor);
+}
+
+}  // namespace
+
+float dot(const float* a, const float* b, int64_t n) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &dot_avx512;
+#endif
+    return &dot_portable;
+  }();
+  return implementation(a, b, n);
+}
+
+float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &dot_bf16_avx512;
+#endif
+    return &dot_bf16_portable;
+  }();
+  return implementation(a, b, n);
+}
+
+QKV_VECTORISED void scale_into(const float* __restrict x, int64_t n, float factor, float* __restrict out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * factor;
+}
+
+void scale_into(const float* x, int64_t n, float factor, uint16_t* out) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &scale_into_bf16_avx512;
+#endif
+    return &scale_into_bf16_portable;
+  }();
+  implementation(x, n, factor, out);
+}
+
+namespace {
+
 // lowbias32 (Chris Wellons' integer hash search): a bijection of 32-bit words with low bias.
 inline uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16;

@@ -2,7 +2,10 @@
 // beside the baseline and the CPU picks one at load time (GCC's target_clones). Private to qkv.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
+#include <type_traits>
 
 namespace qkv::kernels {
 
@@ -43,6 +46,44 @@ void softmax_backward(const double* p, double* ds, int64_t n, double delta);
 /// The same, and ds also to `out` as bfloat16 (raw bits, nearest even) for the bfloat16 product
 /// that multiplies it next.
 void softmax_backward_to_bf16(const float* p, float* ds, int64_t n, float delta, uint16_t* out);
+
+/// Σ a[i] · b[i] for i < n, in float32: 16 partial sums side by side (lane i mod 16, whichever
+/// vectors the CPU has), then those added. The rows' D_i = rowsum(dO ⊙ O) of the backward.
+float dot(const float* a, const float* b, int64_t n);
+/// The same of bfloat16 values (raw bits), each widened exactly to float32.
+float dot(const uint16_t* a, const uint16_t* b, int64_t n);
+
+/// out[i] <- x[i] · factor: the float32 accumulators written out (the output, dQ, dK, dV).
+void scale_into(const float* x, int64_t n, float factor, float* out);
+/// The same rounded to bfloat16 (raw bits, nearest even, a NaN stays NaN; denormals kept): bit for
+/// bit what converting each value to c10::BFloat16 gives.
+void scale_into(const float* x, int64_t n, float factor, uint16_t* out);
+
+/// dot and scale_into for the kernel's element types: float32 and bfloat16 operands with float32
+/// accumulators by the functions above, float64 by plain loops.
+template <typename scalar_t, typename acc_t>
+inline acc_t dot_of(const scalar_t* a, const scalar_t* b, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return dot(a, b, n);
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return dot(reinterpret_cast<const uint16_t*>(a), reinterpret_cast<const uint16_t*>(b), n);
+  } else {
+    acc_t sum = 0;
+    for (int64_t i = 0; i < n; ++i) sum += static_cast<acc_t>(a[i]) * static_cast<acc_t>(b[i]);
+    return sum;
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+inline void write_scaled(const acc_t* x, int64_t n, acc_t factor, scalar_t* out) {
+  if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, float>) {
+    scale_into(x, n, factor, out);
+  } else if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, c10::BFloat16>) {
+    scale_into(x, n, factor, reinterpret_cast<uint16_t*>(out));
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<scalar_t>(x[i] * factor);
+  }
+}
 
 /// keep[c] <- 1 when hash(row_key, first + c) >= threshold, else 0, for c < n: dropout's decision
 /// for n consecutive columns of one row. The hash chains lowbias32 (Wellons' integer hash) over the
