@@ -5,6 +5,7 @@
 // L = cached positions, E = d_model, H = query heads, Hkv = key/value heads, D = E / H.
 #include <qkv/self_attention.h>
 
+#include "linear.h"
 #include "mask_algebra.h"
 #include "rope.h"
 #include "torch_compat.h"
@@ -204,7 +205,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> SelfAttentionImpl::proje
   const auto &wq = W_q->weight, &wk = W_k->weight, &wv = W_v->weight;
   const bool bias = options.bias();
   const auto separately = [&]() -> std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> {
-    return {compat::linear(x, wq, W_q->bias), compat::linear(x, wk, W_k->bias), compat::linear(x, wv, W_v->bias)};
+    return {detail::linear(x, wq, W_q->bias), detail::linear(x, wk, W_k->bias), detail::linear(x, wv, W_v->bias)};
   };
   // One product or three by the number of rows alone, never by grad mode: a checkpointed block's
   // forward (without autograd) and its recomputation (with) must compute the same numbers. One
@@ -232,7 +233,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> SelfAttentionImpl::proje
     weight = torch::cat({wq, wk, wv});
     if (bias) bias_vector = torch::cat({W_q->bias, W_k->bias, W_v->bias});
   }
-  const auto projected = compat::linear(x, weight, bias_vector);  // (…, E + 2·KD)
+  const auto projected = detail::linear(x, weight, bias_vector);  // (…, E + 2·KD)
   auto parts = projected.split_with_sizes({E, KD, KD}, /*dim=*/-1);
   return {parts[0], parts[1], parts[2]};
 }
@@ -294,9 +295,9 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   if (self) {
     std::tie(q_projected, k_projected, v_projected) = project_self(query, /*decoding=*/false);
   } else {
-    q_projected = compat::linear(query, W_q->weight, W_q->bias);
-    k_projected = compat::linear(key, W_k->weight, W_k->bias);
-    v_projected = compat::linear(value, W_v->weight, W_v->bias);
+    q_projected = detail::linear(query, W_q->weight, W_q->bias);
+    k_projected = detail::linear(key, W_k->weight, W_k->bias);
+    v_projected = detail::linear(value, W_v->weight, W_v->bias);
   }
 
   if (H == 1 && Hkv == 1 && mask.empty() && !options.rope()) {
@@ -307,7 +308,7 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
     auto result = scaled_dot_product_attention(q_projected, k_projected, v_projected,
                                                attention_options(need_weights));  // (…, N, E)
     SelfAttentionOutput out;
-    out.output = W_o ? compat::linear(result.output, W_o->weight, W_o->bias) : result.output;
+    out.output = W_o ? detail::linear(result.output, W_o->weight, W_o->bias) : result.output;
     if (need_weights) out.weights = result.weights.unsqueeze(-3);  // (B, 1, N, S) / (1, N, S)
     out.backend = result.backend;
     return out;
@@ -344,7 +345,7 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
       attention_options(need_weights).mask(detail::merge_attention_mask(other_parts, target)).key_lengths(lengths));
 
   auto output = join_heads(result.output);  // (B, N, E)
-  if (W_o) output = compat::linear(output, W_o->weight, W_o->bias);
+  if (W_o) output = detail::linear(output, W_o->weight, W_o->bias);
 
   SelfAttentionOutput out;
   out.output = batched ? output : output.squeeze(0);
@@ -497,7 +498,7 @@ torch::Tensor SelfAttentionImpl::forward_with_cache(const torch::Tensor& x, KVCa
     }
   }
   auto output = join_heads(scaled_dot_product_attention(q, keys, values, attention).output);  // (B, T, E)
-  return W_o ? compat::linear(output, W_o->weight, W_o->bias) : output;
+  return W_o ? detail::linear(output, W_o->weight, W_o->bias) : output;
 }
 
 }  // namespace qkv

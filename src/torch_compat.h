@@ -3,7 +3,6 @@
 // comparing TORCH_VERSION itself. Private to qkv's build (library, apps, tests); not installed.
 #pragma once
 
-#include <ATen/Functions.h>
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
@@ -67,22 +66,6 @@ inline void set_autocast_dtype(at::DeviceType type, at::ScalarType dtype) {
     at::autocast::set_autocast_gpu_dtype(dtype);
   }
 #endif
-}
-
-/// x Wᵀ + b as LibTorch 2.x computes it on every version: a contiguous input of 3 or more
-/// dimensions, its rows side by side, in one addmm with the bias. LibTorch 1.13 multiplies such an
-/// input first and adds the bias in a second pass over the output, which under bfloat16 autocast
-/// also converts it (a float32 bias added into a bfloat16 product): about 4% of a bf16-mixed
-/// training step of SelfAttention at B=8 N=512 E=256 (LibTorch's profiler, 2026-12-01).
-inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-#if !QKV_TORCH_AT_LEAST(2, 0)
-  if (bias.defined() && x.dim() >= 3 && x.is_contiguous() && weight.dim() == 2 && bias.dim() == 1) {
-    auto sizes = x.sizes().vec();
-    sizes.back() = weight.size(0);
-    return at::addmm(bias, x.view({-1, x.size(-1)}), weight.t()).view(sizes);
-  }
-#endif
-  return at::linear(x, weight, bias);
 }
 
 namespace detail {
