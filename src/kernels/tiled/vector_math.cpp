@@ -340,22 +340,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_into_bf16_avx512
 }
 #endif
 
-float dot_portable(const float* a, const float* b, int64_t n) {
-  float partial[16] = {};
-  for (int64_t i = 0; i < n; ++i) partial[i % 16] += a[i] * b[i];
-  float sum = 0;
-  for (float p : partial) sum += p;
-  return sum;
-}
+inline float widened(float value) { return value; }
+inline float widened(uint16_t bits) { return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())); }
 
-float widened(uint16_t bits) {
-  const uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float value = 0;
-  std::memcpy(&value, &word, sizeof value);
-  return value;
-}
-
-float dot_bf16_portable(const uint16_t* a, const uint16_t* b, int64_t n) {
+// The vector versions' 16 partial sums (lane i mod 16), then added in order.
+template <typename T>
+float dot_portable(const T* a, const T* b, int64_t n) {
   float partial[16] = {};
   for (int64_t i = 0; i < n; ++i) partial[i % 16] += widened(a[i]) * widened(b[i]);
   float sum = 0;
@@ -374,7 +364,7 @@ float dot(const float* a, const float* b, int64_t n) {
 #if defined(__x86_64__)
     if (wide_vectors()) return &dot_avx512;
 #endif
-    return &dot_portable;
+    return &dot_portable<float>;
   }();
   return implementation(a, b, n);
 }
@@ -384,7 +374,7 @@ float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
 #if defined(__x86_64__)
     if (wide_vectors()) return &dot_bf16_avx512;
 #endif
-    return &dot_bf16_portable;
+    return &dot_portable<uint16_t>;
   }();
   return implementation(a, b, n);
 }
