@@ -10,6 +10,8 @@
 // only where cpu_features.cpp found AMX-BF16 and the kernel granted the tiles.
 #include "kernels/tiled/amx_products.h"
 
+#include "kernels/tiled/transpose_16x16.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -93,33 +95,6 @@ struct LeftTiles {
     return tail + (i0 - main_rows) * tail_stride;
   }
 };
-
-// 16 × 16 32-bit values in 16 registers, transposed in place (rows become columns): unpack the
-// 32-bit and 64-bit halves within 128-bit lanes, then exchange the lanes.
-QKV_TARGET_AMX void transpose_16x16(__m512i (&r)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // r[i + c], lane L: rows i .. i + 3 of column 4L + c
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  __m512i columns[16];
-  for (int c = 0; c < 4; ++c) {
-    const __m512i low01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), high01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-    const __m512i low23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-    const __m512i high23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-    columns[c] = _mm512_shuffle_i32x4(low01, low23, 0x88);
-    columns[4 + c] = _mm512_shuffle_i32x4(low01, low23, 0xDD);
-    columns[8 + c] = _mm512_shuffle_i32x4(high01, high23, 0x88);
-    columns[12 + c] = _mm512_shuffle_i32x4(high01, high23, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = columns[i];
-}
 
 // A (m × k) float32 rows, rounded into `out` (rows of `padded_k`, m_pad rows; zeros past k and m).
 QKV_TARGET_AMX void round_rows(const float* a, int64_t ars, int64_t m, int64_t m_pad, int64_t k, int64_t padded_k,

@@ -84,16 +84,26 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
     std::vector<acc_t> recomputed(kRowsPerBlock * kKeysPerBlock), grad_probabilities(kRowsPerBlock * kKeysPerBlock),
         dropped(kRowsPerBlock * kKeysPerBlock), grad_k_block, grad_v_block, grad_q_all, delta;
     std::vector<uint8_t> keep(kKeysPerBlock);
-    const bool bf16_products = product_kind<scalar_t>().bf16;
-    std::vector<c10::BFloat16> grad_scores_bf16(bf16_products ? kRowsPerBlock * kKeysPerBlock : 0);
+    const ProductKind kind = product_kind<scalar_t>();
     grad_k_block.resize(static_cast<size_t>(kKeysPerBlock * p.D));
     grad_v_block.resize(static_cast<size_t>(kKeysPerBlock * p.Dv));
     // The key block's Kᵀ, Vᵀ and K as right operands, and each query block's Q and dO (packed on
     // first use, then reused by every key block of the task).
     RightOperand<scalar_t> keys_transposed, values_transposed, keys;
-    std::vector<RightOperand<scalar_t>> queries(static_cast<size_t>(G * row_blocks)),
-        grad_outputs(static_cast<size_t>(G * row_blocks));
+    std::vector<RightOperand<scalar_t>> queries(kind.bf16 ? 0 : G * row_blocks),
+        grad_outputs(kind.bf16 ? 0 : G * row_blocks);
     std::vector<bool> rows_packed;
+    // bfloat16 products accumulate dKᵀ = Σ Qᵀ dS and dVᵀ = Σ dOᵀ P (grad_k_block, grad_v_block as
+    // D × keys, Dv × keys), whose reduction runs along the query rows as the pairs of AMX's and
+    // vdpbf16ps's right operands do: P and dS then go into those panels straight from the block's
+    // one element-wise pass, and only Q and dO are transposed, once per query block (left operands
+    // of padded_rows columns). The float32 products take Pᵀ and dSᵀ as strided left operands.
+    std::vector<std::vector<uint16_t>> queries_t(kind.bf16 ? G * row_blocks : 0),
+        grad_outputs_t(kind.bf16 ? G * row_blocks : 0);
+    PackedRight weight_panels, grad_score_panels;
+    std::vector<uint16_t> grad_score_rows(kind.bf16 ? kRowsPerBlock * kKeysPerBlock : 0);
+    std::vector<uint8_t> keep_block(kind.bf16 && p.dropout.active() ? kRowsPerBlock * kKeysPerBlock : 0);
+    std::vector<acc_t> keys_by_rows(kind.bf16 ? kKeysPerBlock * std::max(p.D, p.Dv) : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / split.parts(), part = task % split.parts();
       const int64_t kv_head = head % p.Hkv, b = head / p.Hkv;
@@ -104,6 +114,51 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
       if (split.parts() == 1) grad_q_all.assign(static_cast<size_t>(G * p.N * p.D), acc_t(0));
       acc_t* grad_q_rows = split.parts() > 1 ? partial_grad_q.data() + task * G * p.N * p.D : grad_q_all.data();
       if (split.parts() > 1) std::fill(grad_q_rows, grad_q_rows + G * p.N * p.D, acc_t(0));
+      // Query block i0 (rows of head h, its transposes at rows_index) against the key block at j0
+      // with bfloat16 products: dP, the block's one element-wise pass (from the scores S, or the
+      // kept P), and the three products.
+      const auto bf16_block = [&](int64_t rows_index, int64_t rows, int64_t padded_rows, int64_t seen, int64_t cols,
+                                  int64_t i0, int64_t j0, int64_t g, int64_t h, acc_t factor, const acc_t* scores,
+                                  bool exponentiate) {
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          values_transposed.multiply_into(Strided<scalar_t>{grad_out.rows(b, h, i0), grad_out.stride_row, 1}, rows,
+                                          1.0f, 0.0f, grad_probabilities.data(), cols, Leading{-1, seen});
+          GradScoresBlock block;
+          block.rows = rows, block.n = seen;
+          block.scores = scores, block.scores_stride = cols;
+          block.lse = exponentiate ? lse + (b * p.H + h) * p.N + i0 : nullptr;
+          block.factor = factor;
+          block.grad_probabilities = grad_probabilities.data(), block.grad_probabilities_stride = cols;
+          block.delta = delta.data() + g * p.N + i0;
+          if (p.dropout.active()) {
+            for (int64_t r = 0; r < rows; ++r) {
+              p.dropout.keep(b * p.H + h, i0 + r, j0, seen, keep_block.data() + r * kKeysPerBlock);
+            }
+            block.keep = keep_block.data(), block.keep_stride = kKeysPerBlock;
+            block.keep_scale = static_cast<float>(p.dropout.scale());
+          }
+          // dVᵀ's and dKᵀ's reduction: the rows, and a zero row after an odd count (AMX: whole tiles).
+          const int64_t reduction = kind.isa == ProductIsa::AmxBf16 ? padded_rows : (rows + 1) / 2 * 2;
+          block.weights = weight_panels.bf16_panels_to_fill(reduction, seen, kind);
+          block.grad_scores = grad_score_panels.bf16_panels_to_fill(reduction, seen, kind);
+          block.grad_score_rows = grad_score_rows.data(), block.grad_score_rows_stride = kKeysPerBlock;
+          if (grad_scores != nullptr) {  // dS is the additive mask's gradient, as it is the scores'
+            block.grad_scores_float = grad_scores + ((b * p.H + h) * p.N + i0) * p.S + j0;
+            block.grad_scores_float_stride = p.S;
+          }
+          softmax_backward_block(block);
+          // dVᵀ += dOᵀ (P ⊙ Z / (1 - p)); dKᵀ += Qᵀ dS; dQ += dS K (dK, dQ times the scale when written out)
+          const auto left = [&](const std::vector<uint16_t>& transposed) {
+            return Strided<c10::BFloat16>{reinterpret_cast<const c10::BFloat16*>(transposed.data()), padded_rows, 1};
+          };
+          multiply(left(grad_outputs_t[rows_index]), p.Dv, weight_panels, 1.0f, 1.0f, grad_v_block.data(),
+                   kKeysPerBlock);
+          multiply(left(queries_t[rows_index]), p.D, grad_score_panels, 1.0f, 1.0f, grad_k_block.data(), kKeysPerBlock);
+          keys.multiply_into(Strided<c10::BFloat16>{reinterpret_cast<const c10::BFloat16*>(grad_score_rows.data()),
+                                                    kKeysPerBlock, 1},
+                             rows, 1.0f, 1.0f, grad_q_rows + (g * p.N + i0) * p.D, p.D, Leading{seen, -1});
+        }
+      };
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
         for (int64_t i = 0; i < p.N; ++i) {
@@ -137,9 +192,22 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
             const Strided<scalar_t> q_rows{q.rows(b, h, i0), q.stride_row, 1};
             const Strided<scalar_t> go_rows{grad_out.rows(b, h, i0), grad_out.stride_row, 1};
             const int64_t rows_index = g * row_blocks + i0 / kRowsPerBlock;
+            const int64_t padded_rows = (rows + 31) / 32 * 32;
             if (!rows_packed[rows_index]) {
-              queries[rows_index].prepare(q_rows, rows, p.D);
-              grad_outputs[rows_index].prepare(go_rows, rows, p.Dv);
+              if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+                if (kind.bf16) {
+                  queries_t[rows_index].resize(static_cast<size_t>(p.D * padded_rows));
+                  grad_outputs_t[rows_index].resize(static_cast<size_t>(p.Dv * padded_rows));
+                  transpose_bf16(reinterpret_cast<const uint16_t*>(q_rows.data), q.stride_row, rows, p.D, padded_rows,
+                                 queries_t[rows_index].data(), padded_rows);
+                  transpose_bf16(reinterpret_cast<const uint16_t*>(go_rows.data), grad_out.stride_row, rows, p.Dv,
+                                 padded_rows, grad_outputs_t[rows_index].data(), padded_rows);
+                }
+              }
+              if (!kind.bf16) {
+                queries[rows_index].prepare(q_rows, rows, p.D);
+                grad_outputs[rows_index].prepare(go_rows, rows, p.Dv);
+              }
               rows_packed[rows_index] = true;
             }
             // The block's keys these rows can see: a prefix (causal rows end at their own position,
@@ -157,6 +225,12 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
                                             Leading{-1, seen});
               const acc_t factor =
                   p.apply_masks(b, h, i0, rows, j0, seen, recomputed.data(), cols, p.deferred_scale());
+              if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+                if (kind.bf16) {  // the exponentials come in the block's one pass below
+                  bf16_block(rows_index, rows, padded_rows, seen, cols, i0, j0, g, h, factor, recomputed.data(), true);
+                  continue;
+                }
+              }
               for (int64_t r = 0; r < rows; ++r) {
                 const acc_t row_lse = lse[(b * p.H + h) * p.N + i0 + r];
                 acc_t* row = recomputed.data() + r * cols;
@@ -165,6 +239,12 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
                 } else {
                   exp_shifted_sum(row, seen, factor, row_lse);
                 }
+              }
+            }
+            if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+              if (kind.bf16) {  // P kept by the forward
+                bf16_block(rows_index, rows, padded_rows, seen, cols, i0, j0, g, h, acc_t(1), block_p, false);
+                continue;
               }
             }
             // dP = dO Vᵀ
@@ -190,16 +270,8 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
             // dV += (P ⊙ Z / (1 - p))ᵀ dO
             grad_outputs[rows_index].multiply_into(Strided<acc_t>{value_weights, 1, cols}, seen, acc_t(1), acc_t(1),
                                                    grad_v_block.data(), p.Dv);
-            // dS = P ⊙ (dP - D_i), in place of dP (and in bfloat16 for dQ's product where it multiplies bfloat16).
+            // dS = P ⊙ (dP - D_i), in place of dP.
             for (int64_t r = 0; r < rows; ++r) {
-              if constexpr (std::is_same_v<acc_t, float>) {
-                if (bf16_products) {
-                  softmax_backward_to_bf16(block_p + r * cols, grad_probabilities.data() + r * cols, seen,
-                                           delta[g * p.N + i0 + r],
-                                           reinterpret_cast<uint16_t*>(grad_scores_bf16.data() + r * cols));
-                  continue;
-                }
-              }
               softmax_backward(block_p + r * cols, grad_probabilities.data() + r * cols, seen,
                                delta[g * p.N + i0 + r]);
             }
@@ -214,14 +286,20 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
             queries[rows_index].multiply_into(grad_scores_block.transposed(), seen, acc_t(1), acc_t(1),
                                               grad_k_block.data(), p.D);
             acc_t* grad_q_block = grad_q_rows + (g * p.N + i0) * p.D;
-            if constexpr (std::is_same_v<acc_t, float>) {
-              if (bf16_products) {
-                keys.multiply_into(Strided<c10::BFloat16>{grad_scores_bf16.data(), cols, 1}, rows, acc_t(1), acc_t(1),
-                                   grad_q_block, p.D, Leading{seen, -1});
-                continue;
-              }
-            }
             keys.multiply_into(grad_scores_block, rows, acc_t(1), acc_t(1), grad_q_block, p.D, Leading{seen, -1});
+          }
+        }
+        if constexpr (std::is_same_v<acc_t, float>) {
+          if (kind.bf16) {  // dKᵀ, dVᵀ back to rows of keys
+            transpose(grad_k_block.data(), kKeysPerBlock, p.D, cols, keys_by_rows.data(), p.D);
+            for (int64_t c = 0; c < cols; ++c) {
+              write_scaled(keys_by_rows.data() + c * p.D, p.D, p.scale, grads.k.rows(b, kv_head, j0 + c));
+            }
+            transpose(grad_v_block.data(), kKeysPerBlock, p.Dv, cols, keys_by_rows.data(), p.Dv);
+            for (int64_t c = 0; c < cols; ++c) {
+              write_scaled(keys_by_rows.data() + c * p.Dv, p.Dv, acc_t(1), grads.v.rows(b, kv_head, j0 + c));
+            }
+            continue;
           }
         }
         for (int64_t c = 0; c < cols; ++c) {

@@ -442,6 +442,18 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
   }
 }
 
+PairPanels PackedRight::bf16_panels_to_fill(int64_t k, int64_t n, ProductKind kind) {
+  TORCH_CHECK(kind.bf16 && at_least(kind.isa, ProductIsa::Avx512Bf16) && at_least(detected_isa(), kind.isa),
+              "tiled kernel: bfloat16 panels asked for ", isa_name(kind.isa), " products on a CPU with ",
+              isa_name(detected_isa()));
+  kind_ = kind, k_ = k, n_ = n, panel_ = columns_per_panel(kind, n);
+  const int64_t pairs = (k + 1) / 2;
+  depth_ = kind.isa == ProductIsa::AmxBf16 ? (pairs + amx::kPairsPerTile - 1) / amx::kPairsPerTile * amx::kPairsPerTile
+                                           : pairs;
+  bf16_.resize(static_cast<size_t>((n + panel_ - 1) / panel_ * depth_ * 2 * panel_));  // no zeros: all is written
+  return {bf16_.data(), panel_, depth_};
+}
+
 void PackedRight::pack(Strided<float> b, int64_t k, int64_t n, ProductKind kind) { pack_any(b, k, n, kind); }
 void PackedRight::pack(Strided<c10::BFloat16> b, int64_t k, int64_t n, ProductKind kind) { pack_any(b, k, n, kind); }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "kernels/tiled/cpu_features.h"
+#include "kernels/tiled/vector_math.h"
 
 #include <c10/util/BFloat16.h>
 
@@ -45,6 +46,10 @@ class PackedRight {
   /// Packs b (k × n); bfloat16 products round float32 values to bfloat16 (nearest even).
   void pack(Strided<float> b, int64_t k, int64_t n, ProductKind kind);
   void pack(Strided<c10::BFloat16> b, int64_t k, int64_t n, ProductKind kind);
+  /// Lays this operand out as a bfloat16 B (k × n) for `kind`'s bfloat16 products and hands its
+  /// panels to the caller to fill, whole: every pair up to pair_depth() of every column up to a
+  /// multiple of panel_width(), zeros past k and n (softmax_backward_block writes them so).
+  PairPanels bf16_panels_to_fill(int64_t k, int64_t n, ProductKind kind);
 
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }

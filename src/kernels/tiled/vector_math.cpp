@@ -3,10 +3,15 @@
 #include "kernels/tiled/vector_math.h"
 
 #include "kernels/tiled/cpu_features.h"
+#include "kernels/tiled/transpose_16x16.h"
 
+#include <c10/util/Exception.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -59,6 +64,23 @@ __attribute__((target("avx512f"))) inline __m512 exp_of(__m512 v, __mmask16 lane
   return _mm512_maskz_mov_ps(lanes & ~underflow, _mm512_scalef_ps(exp_r, k));
 }
 
+// exp(v) for values rounded to bfloat16 next (whose own step is 2^-8 of a value): 2^x with x = v ·
+// log2(e) = k + f, |f| <= 1/2, 2^f by a degree-4 polynomial (minimax in relative error, fitted for
+// qkv: 2.6e-6 on [-1/2, 1/2], 3e-6 evaluated in float32), 2^k by vscalefps. 9 instructions where
+// exp_of takes 16. Lanes below -87 (and -inf) are 0, as in exp_of; a NaN stays NaN.
+__attribute__((target("avx512f"))) inline __m512 exp_for_bf16(__m512 v, __mmask16 lanes) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  const __m512 x = _mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, k);
+  __m512 p = _mm512_set1_ps(0.009570094756782055f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591785907745361f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240247443318367f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931217908859253f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999992847442627f));
+  return _mm512_maskz_scalef_ps(lanes & ~underflow, p, k);
+}
+
 __attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_t n, float factor, float shift) {
   const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift);
   __m512 sum = _mm512_setzero_ps();
@@ -78,7 +100,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) float exp_shifte
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = tail_lanes(n - i);
-    const __m512 e = exp_of(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v, shift_v), lanes);
+    const __m512 e = exp_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v, shift_v), lanes);
     _mm256_mask_storeu_epi16(out + i, lanes, (__m256i)_mm512_cvtneps_pbh(e));
     sum = _mm512_add_ps(sum, e);
   }
@@ -262,35 +284,255 @@ void softmax_backward(const double* p, double* ds, int64_t n, double delta) {
 
 namespace {
 
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// Where column j0 (a multiple of 16) of pair t starts in a panel: 16 pairs of that column on.
+inline int64_t pair_offset(const PairPanels& panels, int64_t t, int64_t j0) {
+  return (j0 / panels.width) * panels.depth * 2 * panels.width + t * 2 * panels.width + (j0 % panels.width) * 2;
+}
+
 #if defined(__x86_64__)
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void softmax_backward_to_bf16_avx512(
-    const float* p, float* ds, int64_t n, float delta, uint16_t* out) {
-  const __m512 delta_v = _mm512_set1_ps(delta);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 lanes = tail_lanes(n - i);
-    const __m512 value = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, p + i),
-                                       _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, ds + i), delta_v));
-    _mm512_mask_storeu_ps(ds + i, lanes, value);
-    _mm256_mask_storeu_epi16(out + i, lanes, (__m256i)_mm512_cvtneps_pbh(value));
+#define QKV_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+QKV_TARGET_BF16 inline __mmask16 some_lanes(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1u);
+}
+
+// Two vectors of 16 floats, rounded to bfloat16 and interleaved value by value (even's first):
+// 16 pairs of a panel.
+QKV_TARGET_BF16 inline __m512i rounded_pairs(__m512 even, __m512 odd) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
+// One row of a block's pass: where its inputs and outputs lie, and its L and D broadcast.
+struct BlockRow {
+  const float *scores, *grad_probabilities;
+  const uint8_t* keep;
+  uint16_t* grad_score_row;
+  float* grad_scores_float;
+  __m512 lse, delta;
+  bool exponentiate, dead;
+};
+
+// P ⊙ Z / (1 - p) into `weight` and dS into `grad_score` for 16 columns of a row (lanes: those
+// inside n), dS also out to the row's bfloat16 (and float32) output.
+QKV_TARGET_BF16 inline void block_row_step(const BlockRow& row, int64_t j0, __mmask16 lanes, __m512 factor,
+                                           __m512 keep_scale, __m512& weight, __m512& grad_score) {
+  __m512 p;
+  if (!row.exponentiate) {
+    p = _mm512_maskz_loadu_ps(lanes, row.scores + j0);
+  } else if (row.dead) {
+    p = _mm512_setzero_ps();
+  } else {
+    p = exp_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, row.scores + j0), factor, row.lse), lanes);
+  }
+  __m512 dp = _mm512_maskz_loadu_ps(lanes, row.grad_probabilities + j0);
+  weight = p;
+  if (row.keep != nullptr) {
+    const __mmask16 kept = _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, row.keep + j0), _mm_setzero_si128());
+    weight = _mm512_maskz_mul_ps(kept, p, keep_scale);
+    dp = _mm512_maskz_mul_ps(kept, dp, keep_scale);
+  }
+  grad_score = _mm512_maskz_mul_ps(lanes, p, _mm512_sub_ps(dp, row.delta));
+  _mm256_mask_storeu_epi16(row.grad_score_row + j0, lanes, (__m256i)_mm512_cvtneps_pbh(grad_score));
+  if (row.grad_scores_float != nullptr) _mm512_mask_storeu_ps(row.grad_scores_float + j0, lanes, grad_score);
+}
+
+QKV_TARGET_BF16 inline BlockRow block_row(const GradScoresBlock& g, int64_t r) {
+  return BlockRow{g.scores + r * g.scores_stride,
+                  g.grad_probabilities + r * g.grad_probabilities_stride,
+                  g.keep != nullptr ? g.keep + r * g.keep_stride : nullptr,
+                  g.grad_score_rows + r * g.grad_score_rows_stride,
+                  g.grad_scores_float != nullptr ? g.grad_scores_float + r * g.grad_scores_float_stride : nullptr,
+                  _mm512_set1_ps(g.lse != nullptr ? g.lse[r] : 0.0f),
+                  _mm512_set1_ps(g.delta[r]),
+                  g.lse != nullptr,
+                  g.lse != nullptr && g.lse[r] == std::numeric_limits<float>::infinity()};
+}
+
+QKV_TARGET_BF16 void softmax_backward_block_avx512(const GradScoresBlock& g) {
+  // Locals, not g's fields: the stores below could alias them as far as the compiler knows.
+  const int64_t rows = g.rows, n = g.n, width = g.weights.width, depth = g.weights.depth;
+  const int64_t panel_values = depth * 2 * width, panels = (n + width - 1) / width;
+  uint16_t* const weight_panels = g.weights.data;
+  uint16_t* const grad_score_panels = g.grad_scores.data;
+  const __m512 factor = _mm512_set1_ps(g.factor), keep_scale = _mm512_set1_ps(g.keep_scale);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t t = 0; t < depth; ++t) {
+    // Pair t's 16 pairs of columns j0 ... lie at panel (j0 / width), offset t · 2 · width + (j0 % width) · 2.
+    uint16_t* weight_pairs = weight_panels + t * 2 * width;
+    uint16_t* grad_score_pairs = grad_score_panels + t * 2 * width;
+    const int64_t r = 2 * t;
+    if (r >= rows) {  // padding: zeros
+      for (int64_t jp = 0; jp < panels; ++jp) {
+        for (int64_t half = 0; half < width; half += 16) {
+          _mm512_storeu_si512(weight_pairs + jp * panel_values + 2 * half, zero);
+          _mm512_storeu_si512(grad_score_pairs + jp * panel_values + 2 * half, zero);
+        }
+      }
+      continue;
+    }
+    const BlockRow even = block_row(g, r);
+    const bool has_odd = r + 1 < rows;
+    const BlockRow odd = has_odd ? block_row(g, r + 1) : even;
+    for (int64_t jp = 0; jp < panels; ++jp) {
+      for (int64_t half = 0; half < width; half += 16) {
+        const int64_t j0 = jp * width + half;
+        const __mmask16 lanes = some_lanes(n - j0);
+        __m512 w0 = _mm512_setzero_ps(), w1 = w0, ds0 = w0, ds1 = w0;
+        if (lanes != 0) {
+          block_row_step(even, j0, lanes, factor, keep_scale, w0, ds0);
+          if (has_odd) block_row_step(odd, j0, lanes, factor, keep_scale, w1, ds1);
+        }
+        _mm512_storeu_si512(weight_pairs + jp * panel_values + 2 * half, rounded_pairs(w0, w1));
+        _mm512_storeu_si512(grad_score_pairs + jp * panel_values + 2 * half, rounded_pairs(ds0, ds1));
+      }
+    }
+  }
+}
+
+QKV_TARGET_BF16 void transpose_bf16_avx512(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols,
+                                           int64_t padded_rows, uint16_t* out, int64_t out_stride) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t t0 = 0; 2 * t0 < padded_rows; t0 += 16) {  // 16 pairs of rows: 32 rows
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const __mmask16 lanes = some_lanes(cols - c0);
+      __m512i pairs[16];  // pairs[i]: rows 2(t0 + i), 2(t0 + i) + 1 of columns c0 ..., interleaved
+      for (int i = 0; i < 16; ++i) {
+        const int64_t r = 2 * (t0 + i);
+        const __m256i even = r < rows ? _mm256_maskz_loadu_epi16(lanes, x + r * x_stride + c0) : _mm256_setzero_si256();
+        const __m256i odd =
+            r + 1 < rows ? _mm256_maskz_loadu_epi16(lanes, x + (r + 1) * x_stride + c0) : _mm256_setzero_si256();
+        pairs[i] = _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
+      }
+      tiled::transpose_16x16(pairs);  // pairs[c]: column c0 + c's values of rows 2 t0 ... 2 t0 + 31
+      for (int64_t c = 0; c < std::min<int64_t>(16, cols - c0); ++c) {
+        _mm512_storeu_si512(out + (c0 + c) * out_stride + 2 * t0, pairs[c]);
+      }
+    }
+  }
+}
+
+QKV_TARGET_BF16 void transpose_avx512(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out,
+                                      int64_t out_stride) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const __mmask16 row_lanes = some_lanes(rows - r0);
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const __mmask16 lanes = some_lanes(cols - c0);
+      __m512i block[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        block[i] = r0 + i < rows ? _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, x + (r0 + i) * x_stride + c0))
+                                 : _mm512_setzero_si512();
+      }
+      tiled::transpose_16x16(block);
+      for (int64_t c = 0; c < std::min<int64_t>(16, cols - c0); ++c) {
+        _mm512_mask_storeu_ps(out + (c0 + c) * out_stride + r0, row_lanes, _mm512_castsi512_ps(block[c]));
+      }
+    }
   }
 }
 #endif
 
-void softmax_backward_to_bf16_portable(const float* p, float* ds, int64_t n, float delta, uint16_t* out) {
-  softmax_backward(p, ds, n, delta);
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(ds[i]);
+// The same passes in plain C++ (and the reference their tests hold the vector ones to): P by the
+// portable exponential, each value rounded by bf16_bits.
+void softmax_backward_block_portable(const GradScoresBlock& g) {
+  thread_local std::vector<float> weights, grad_scores;
+  weights.assign(static_cast<size_t>(g.rows * g.n), 0.0f);
+  grad_scores.assign(static_cast<size_t>(g.rows * g.n), 0.0f);
+  for (int64_t r = 0; r < g.rows; ++r) {
+    float* p = weights.data() + r * g.n;
+    std::copy(g.scores + r * g.scores_stride, g.scores + r * g.scores_stride + g.n, p);
+    if (g.lse != nullptr) {
+      if (g.lse[r] == std::numeric_limits<float>::infinity()) {
+        std::fill(p, p + g.n, 0.0f);
+      } else {
+        exp_shifted_sum_compiled(p, g.n, g.factor, g.lse[r]);
+      }
+    }
+    const float* dp = g.grad_probabilities + r * g.grad_probabilities_stride;
+    float* ds = grad_scores.data() + r * g.n;
+    for (int64_t c = 0; c < g.n; ++c) {
+      const bool kept = g.keep == nullptr || g.keep[r * g.keep_stride + c] != 0;
+      const float scale = g.keep == nullptr ? 1.0f : g.keep_scale;
+      ds[c] = p[c] * ((kept ? dp[c] * scale : 0.0f) - g.delta[r]);
+      p[c] = kept ? p[c] * scale : 0.0f;
+      g.grad_score_rows[r * g.grad_score_rows_stride + c] = bf16_bits(ds[c]);
+      if (g.grad_scores_float != nullptr) g.grad_scores_float[r * g.grad_scores_float_stride + c] = ds[c];
+    }
+  }
+  const int64_t columns = round_up(g.n, g.weights.width);
+  for (const auto& [panels, values] : {std::pair{g.weights, &weights}, std::pair{g.grad_scores, &grad_scores}}) {
+    for (int64_t t = 0; t < panels.depth; ++t) {
+      for (int64_t j0 = 0; j0 < columns; j0 += 16) {
+        uint16_t* to = panels.data + pair_offset(panels, t, j0);
+        for (int64_t j = 0; j < 16; ++j) {
+          for (int64_t k = 0; k < 2; ++k) {
+            const int64_t r = 2 * t + k, c = j0 + j;
+            to[2 * j + k] = r < g.rows && c < g.n ? bf16_bits((*values)[r * g.n + c]) : uint16_t(0);
+          }
+        }
+      }
+    }
+  }
 }
+
+void transpose_bf16_portable(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols, int64_t padded_rows,
+                             uint16_t* out, int64_t out_stride) {
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = 0; r < padded_rows; ++r) out[c * out_stride + r] = r < rows ? x[r * x_stride + c] : uint16_t(0);
+  }
+}
+
+void transpose_portable(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride) {
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = 0; r < rows; ++r) out[c * out_stride + r] = x[r * x_stride + c];
+  }
+}
+
+// The bfloat16 passes take their AVX-512 versions where the products multiply bfloat16 (the only
+// callers in the kernel); the tests run both.
+bool bf16_vectors() { return tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512Bf16); }
 
 }  // namespace
 
-void softmax_backward_to_bf16(const float* p, float* ds, int64_t n, float delta, uint16_t* out) {
+void softmax_backward_block(const GradScoresBlock& block) {
+  TORCH_CHECK(block.weights.width % 16 == 0 && block.weights.width == block.grad_scores.width &&
+                  block.weights.depth == block.grad_scores.depth && 2 * block.weights.depth >= block.rows,
+              "softmax_backward_block: panels of width ", block.weights.width, " and ", block.grad_scores.width,
+              ", depth ", block.weights.depth, " and ", block.grad_scores.depth, " for ", block.rows, " rows");
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512Bf16)) return &softmax_backward_to_bf16_avx512;
+    if (bf16_vectors()) return &softmax_backward_block_avx512;
 #endif
-    return &softmax_backward_to_bf16_portable;
+    return &softmax_backward_block_portable;
   }();
-  implementation(p, ds, n, delta, out);
+  implementation(block);
+}
+
+void transpose_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols, int64_t padded_rows,
+                    uint16_t* out, int64_t out_stride) {
+  TORCH_CHECK(padded_rows % 32 == 0 && padded_rows >= rows, "transpose_bf16: ", rows,
+              " rows padded to ", padded_rows, " (expected a multiple of 32, at least the rows)");
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (bf16_vectors()) return &transpose_bf16_avx512;
+#endif
+    return &transpose_bf16_portable;
+  }();
+  implementation(x, x_stride, rows, cols, padded_rows, out, out_stride);
+}
+
+void transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (bf16_vectors()) return &transpose_avx512;
+#endif
+    return &transpose_portable;
+  }();
+  implementation(x, x_stride, rows, cols, out, out_stride);
 }
 
 namespace {

@@ -21,6 +21,8 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) { return exp_shif
 /// As exp_shifted_sum, but the exponentials go to `out` as bfloat16 (raw bits, rounded to nearest
 /// even), for the bfloat16 block products that multiply them next, and x is left as it was; the
 /// sum is of the float32 values. One pass where rounding the float32 results afterwards took two.
+/// On AVX-512 the exponentials are those of a shorter polynomial (relative error below 3e-6, plus
+/// |v| · 6e-8 from forming v · log2(e): far below bfloat16's 2^-9), as are softmax_backward_block's.
 float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shift, uint16_t* out);
 inline double exp_shifted_sum(double* x, int64_t n, double shift) { return exp_shifted_sum(x, n, 1.0, shift); }
 
@@ -43,9 +45,51 @@ void scale(double* x, int64_t n, double factor);
 /// ds[i] <- p[i] * (ds[i] - delta): softmax's backward for one row.
 void softmax_backward(const float* p, float* ds, int64_t n, float delta);
 void softmax_backward(const double* p, double* ds, int64_t n, double delta);
-/// The same, and ds also to `out` as bfloat16 (raw bits, nearest even) for the bfloat16 product
-/// that multiplies it next.
-void softmax_backward_to_bf16(const float* p, float* ds, int64_t n, float delta, uint16_t* out);
+
+/// Where a bfloat16 right operand's pairs lie in its panels (PackedRight, packed_products.h): the
+/// pair of rows (2t, 2t + 1) of column j at data[(j / width) · depth · 2 · width + t · 2 · width +
+/// (j % width) · 2], the even row's value first.
+struct PairPanels {
+  uint16_t* data = nullptr;
+  int64_t width = 0, depth = 0;
+};
+
+/// One block of the backward whose products multiply bfloat16 (`rows` query rows × `n` keys), in
+/// one pass: the probabilities P = exp(factor · S - L) (or P itself where the forward kept it),
+/// dropout's kept pairs, dS = P ⊙ (dP - D), and what the block's three products take next, rounded
+/// to bfloat16 (nearest even): P ⊙ Z / (1 - p) and dS as the pair panels of right operands (dVᵀ +=
+/// dOᵀ · P, dKᵀ += Qᵀ · dS: their reduction runs along the rows, so no operand is transposed per
+/// block), dS as rows (dQ += dS · K), and dS in float32 where asked (an additive mask's gradient).
+struct GradScoresBlock {
+  int64_t rows = 0, n = 0;
+  const float* scores = nullptr;  // S, unscaled by `factor` (P itself where lse is null)
+  int64_t scores_stride = 0;
+  const float* lse = nullptr;  // L of each row; +inf: a row with no key, whose P is 0
+  float factor = 1;
+  const float* grad_probabilities = nullptr;  // dP = dO Vᵀ
+  int64_t grad_probabilities_stride = 0;
+  const float* delta = nullptr;  // D = rowsum(dO ⊙ O) of each row
+  const uint8_t* keep = nullptr;  // dropout's decisions (1: kept); null: no dropout
+  int64_t keep_stride = 0;
+  float keep_scale = 1;  // 1 / (1 - p)
+  // Outputs. The panels are written whole, for every pair up to their depth and every column up to
+  // a multiple of their width: zeros past `rows` and past `n`.
+  PairPanels weights, grad_scores;
+  uint16_t* grad_score_rows = nullptr;
+  int64_t grad_score_rows_stride = 0;
+  float* grad_scores_float = nullptr;  // may be null
+  int64_t grad_scores_float_stride = 0;
+};
+void softmax_backward_block(const GradScoresBlock& block);
+
+/// out[c · out_stride + r] = x[r · x_stride + c] for r < rows, c < cols, and 0 for rows ≤ r <
+/// padded_rows (a multiple of 32), of bfloat16 values (raw bits): a query block's Q or dO as the
+/// left operand Qᵀ or dOᵀ of the backward's products with bfloat16 pairs along the query rows.
+void transpose_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols, int64_t padded_rows,
+                    uint16_t* out, int64_t out_stride);
+/// out[c · out_stride + r] = x[r · x_stride + c] for r < rows, c < cols (float32): dKᵀ and dVᵀ back
+/// to rows of keys.
+void transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride);
 
 /// Σ a[i] · b[i] for i < n, in float32: 16 partial sums side by side (lane i mod 16, whichever
 /// vectors the CPU has), then those added. The rows' D_i = rowsum(dO ⊙ O) of the backward.
