@@ -5,7 +5,9 @@
 // where the forward kept them: keeps_probabilities in kernel.h) and accumulates
 // dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K with dS = P ⊙ (dO Vᵀ - rowsum(dO ⊙ O)). Tasks run under
 // at::parallel_for with per-thread scratch and no atomics. Asked for it, it also writes dS itself:
-// the gradient of an additive mask (a learned bias).
+// the gradient of an additive mask (a learned bias). Where the products multiply bfloat16 (AMX,
+// AVX512_BF16) it accumulates dVᵀ and dKᵀ instead, so that P and dS enter their products as right
+// operands, written by one element-wise pass per block (softmax_backward_block in vector_math.h).
 //
 // B = batch, H = query heads, Hkv = key/value heads, G = H / Hkv, N = query rows, S = keys,
 // D = head width, Dv = value width.
