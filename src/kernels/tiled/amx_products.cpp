@@ -10,7 +10,7 @@
 // only where cpu_features.cpp found AMX-BF16 and the kernel granted the tiles.
 #include "kernels/tiled/amx_products.h"
 
-#include "kernels/tiled/transpose_16x16.h"
+#include "kernels/tiled/lane_shuffles.h"
 
 #include <c10/util/Exception.h>
 
@@ -116,8 +116,6 @@ QKV_TARGET_AMX void round_rows(const float* a, int64_t ars, int64_t m, int64_t m
 // rounded and interleaved value by value (one 32-bit pair per row of A), and the 16 × 16 pairs transposed.
 QKV_TARGET_AMX void round_transposed(const float* x, int64_t stride, int64_t m, int64_t m_pad, int64_t k,
                                      int64_t padded_k, uint16_t* out) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t r0 = 0; r0 < m_pad; r0 += 16) {
     const __mmask16 rows = lanes16(m - r0);
     for (int64_t p0 = 0; p0 < padded_k; p0 += 32) {
@@ -126,7 +124,7 @@ QKV_TARGET_AMX void round_transposed(const float* x, int64_t stride, int64_t m, 
         const int64_t p = p0 + 2 * t;
         const __m512 even = p < k ? _mm512_maskz_loadu_ps(rows, x + p * stride + r0) : _mm512_setzero_ps();
         const __m512 odd = p + 1 < k ? _mm512_maskz_loadu_ps(rows, x + (p + 1) * stride + r0) : _mm512_setzero_ps();
-        pairs[t] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+        pairs[t] = interleave_halves((__m512i)_mm512_cvtne2ps_pbh(odd, even));
       }
       transpose_16x16(pairs);  // pairs[r]: row r0 + r's 16 pairs from p0 on
       for (int r = 0; r < 16; ++r) _mm512_storeu_si512(out + (r0 + r) * padded_k + p0, pairs[r]);
@@ -296,8 +294,6 @@ QKV_TARGET_AMX void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, 
 
 QKV_TARGET_AMX void pack_rows(const uint16_t* b, int64_t b_stride, int64_t k, int64_t n, int64_t depth,
                               uint16_t* panels) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const __mmask16 columns = lanes16(n - j0);
     uint16_t* panel = panels + (j0 / 16) * depth * 32;
@@ -305,7 +301,7 @@ QKV_TARGET_AMX void pack_rows(const uint16_t* b, int64_t b_stride, int64_t k, in
       const __m256i even = _mm256_maskz_loadu_epi16(columns, b + p * b_stride + j0);
       const __m256i odd = p + 1 < k ? _mm256_maskz_loadu_epi16(columns, b + (p + 1) * b_stride + j0) : _mm256_setzero_si256();
       const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
-      _mm512_storeu_si512(panel + (p / 2) * 32, _mm512_permutexvar_epi16(interleave, both));
+      _mm512_storeu_si512(panel + (p / 2) * 32, interleave_halves(both));
     }
   }
 }

@@ -5,6 +5,7 @@
 #include "kernels/tiled/packed_products.h"
 
 #include "kernels/tiled/amx_products.h"
+#include "kernels/tiled/lane_shuffles.h"
 
 #include <c10/util/Exception.h>
 
@@ -269,9 +270,6 @@ QKV_TARGET_AVX512_BF16 void round_rows(const float* a, int64_t ars, int64_t m, i
 // A stored transposed (k rows of m float32 values, `stride` apart): for each pair of stored rows
 // (2t, 2t + 1), their values side by side for every i: pair-major [t][i][2].
 QKV_TARGET_AVX512_BF16 void round_column_pairs(const float* x, int64_t stride, int64_t m, int64_t k, uint16_t* out) {
-  // Interleaves two vectors of 16 bfloat16 (the low and high halves of a register) value by value.
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t t = 0; t < (k + 1) / 2; ++t) {
     const float* even = x + 2 * t * stride;
     const float* odd = 2 * t + 1 < k ? even + stride : nullptr;
@@ -280,7 +278,7 @@ QKV_TARGET_AVX512_BF16 void round_column_pairs(const float* x, int64_t stride, i
     if (odd != nullptr) {
       for (; i + 16 <= m; i += 16) {
         const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(odd + i), _mm512_loadu_ps(even + i));
-        _mm512_storeu_si512(to + 2 * i, _mm512_permutexvar_epi16(interleave, (__m512i)both));
+        _mm512_storeu_si512(to + 2 * i, interleave_halves((__m512i)both));
       }
     }
     for (; i < m; ++i) {

@@ -3,7 +3,7 @@
 #include "kernels/tiled/vector_math.h"
 
 #include "kernels/tiled/cpu_features.h"
-#include "kernels/tiled/transpose_16x16.h"
+#include "kernels/tiled/lane_shuffles.h"
 
 #include <c10/util/Exception.h>
 
@@ -41,7 +41,7 @@ bool wide_vectors() { return tiled::at_least(tiled::active_isa(), tiled::Product
 #if defined(__x86_64__)
 // The lanes of a 16-float vector that hold one of the `left` values still to do.
 __attribute__((target("avx512f"))) inline __mmask16 tail_lanes(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1u);
 }
 
 // The same polynomial as below, written for AVX-512: vscalefps multiplies by 2^k (the compiler's
@@ -294,16 +294,10 @@ inline int64_t pair_offset(const PairPanels& panels, int64_t t, int64_t j0) {
 #if defined(__x86_64__)
 #define QKV_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-QKV_TARGET_BF16 inline __mmask16 some_lanes(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1u);
-}
-
 // Two vectors of 16 floats, rounded to bfloat16 and interleaved value by value (even's first):
 // 16 pairs of a panel.
 QKV_TARGET_BF16 inline __m512i rounded_pairs(__m512 even, __m512 odd) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+  return tiled::interleave_halves((__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
 // One row of a block's pass: where its inputs and outputs lie, and its L and D broadcast.
@@ -380,7 +374,7 @@ QKV_TARGET_BF16 void softmax_backward_block_avx512(const GradScoresBlock& g) {
     for (int64_t jp = 0; jp < panels; ++jp) {
       for (int64_t half = 0; half < width; half += 16) {
         const int64_t j0 = jp * width + half;
-        const __mmask16 lanes = some_lanes(n - j0);
+        const __mmask16 lanes = tail_lanes(n - j0);
         __m512 w0 = _mm512_setzero_ps(), w1 = w0, ds0 = w0, ds1 = w0;
         if (lanes != 0) {
           block_row_step(even, j0, lanes, factor, keep_scale, w0, ds0);
@@ -395,18 +389,16 @@ QKV_TARGET_BF16 void softmax_backward_block_avx512(const GradScoresBlock& g) {
 
 QKV_TARGET_BF16 void transpose_bf16_avx512(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols,
                                            int64_t padded_rows, uint16_t* out, int64_t out_stride) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t t0 = 0; 2 * t0 < padded_rows; t0 += 16) {  // 16 pairs of rows: 32 rows
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-      const __mmask16 lanes = some_lanes(cols - c0);
+      const __mmask16 lanes = tail_lanes(cols - c0);
       __m512i pairs[16];  // pairs[i]: rows 2(t0 + i), 2(t0 + i) + 1 of columns c0 ..., interleaved
       for (int i = 0; i < 16; ++i) {
         const int64_t r = 2 * (t0 + i);
         const __m256i even = r < rows ? _mm256_maskz_loadu_epi16(lanes, x + r * x_stride + c0) : _mm256_setzero_si256();
         const __m256i odd =
             r + 1 < rows ? _mm256_maskz_loadu_epi16(lanes, x + (r + 1) * x_stride + c0) : _mm256_setzero_si256();
-        pairs[i] = _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
+        pairs[i] = tiled::interleave_halves(_mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
       }
       tiled::transpose_16x16(pairs);  // pairs[c]: column c0 + c's values of rows 2 t0 ... 2 t0 + 31
       for (int64_t c = 0; c < std::min<int64_t>(16, cols - c0); ++c) {
@@ -419,9 +411,9 @@ QKV_TARGET_BF16 void transpose_bf16_avx512(const uint16_t* x, int64_t x_stride, 
 QKV_TARGET_BF16 void transpose_avx512(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out,
                                       int64_t out_stride) {
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-    const __mmask16 row_lanes = some_lanes(rows - r0);
+    const __mmask16 row_lanes = tail_lanes(rows - r0);
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-      const __mmask16 lanes = some_lanes(cols - c0);
+      const __mmask16 lanes = tail_lanes(cols - c0);
       __m512i block[16];
       for (int64_t i = 0; i < 16; ++i) {
         block[i] = r0 + i < rows ? _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, x + (r0 + i) * x_stride + c0))

@@ -1,7 +1,7 @@
-// 16 × 16 32-bit values in 16 AVX-512 registers, transposed in place: the one shuffle network
-// behind the tiled kernel's transposes (AMX's packing of B, float32 and bfloat16-pair transposes
-// of the backward). Callers compile it into their own AVX-512 targets (a function may inline a
-// callee whose target is a subset of its own). Private to qkv.
+// The two shuffles behind the tiled kernel's bfloat16 pair layouts (packed right operands, AMX's
+// tiles, the backward's transposes): two rows' values interleaved into pairs, and 16 × 16 32-bit
+// values (pairs) transposed. Callers compile them into their own AVX-512 targets (a function may
+// inline a callee whose target is a subset of its own). Private to qkv.
 #pragma once
 
 #if defined(__x86_64__)
@@ -9,7 +9,15 @@
 
 namespace qkv::kernels::tiled {
 
-// Rows become columns: unpack the 32-bit and 64-bit halves within 128-bit lanes, then exchange
+// A register holding 16 bfloat16 values of one row in its low half and 16 of the next row in its
+// high half, interleaved value by value: 16 pairs (even row's value first).
+__attribute__((target("avx512f,avx512bw"))) inline __m512i interleave_halves(__m512i halves) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(order, halves);
+}
+
+// 16 × 16 32-bit values in 16 registers, transposed in place. Rows become columns: unpack the 32-bit and 64-bit halves within 128-bit lanes, then exchange
 // the lanes.
 __attribute__((target("avx512f"))) inline void transpose_16x16(__m512i (&r)[16]) {
   __m512i t[16];
