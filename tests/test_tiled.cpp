@@ -333,6 +333,70 @@ TEST(Tiled, KeptAndRecomputedProbabilitiesBothMatchTheMathPath) {
   }
 }
 
+// The bfloat16 backward over many query and key blocks on one thread, so that every key block of a
+// head runs after the one before it in the same scratch panels (a causal block whose rows see 64
+// of its keys after one whose rows saw all 256): several query blocks per key block (N up to 600),
+// a window, grouped heads, a learned mask's gradient, and dropout with the kernel's own mask,
+// against float64 math.
+TEST(Tiled, BFloat16BackwardOverManyBlocksMatchesTheMathPath) {
+  const int previous_threads = at::get_num_threads();
+  at::set_num_threads(1);
+  struct Variant {
+    std::string name;
+    int64_t H, Hkv, N;
+    c10::optional<int64_t> window;
+    bool learned_mask;
+    double dropout;
+  };
+  for (const auto& c : {Variant{"causal", 1, 1, 600, c10::nullopt, false, 0.0},
+                        Variant{"causal, GQA, window 300", 4, 2, 600, 300, false, 0.0},
+                        Variant{"causal, learned mask", 1, 1, 520, c10::nullopt, true, 0.0},
+                        Variant{"causal, dropout", 2, 2, 450, c10::nullopt, false, 0.3}}) {
+    SCOPED_TRACE(c.name);
+    torch::manual_seed(41);
+    const int64_t D = 16;
+    auto options = qkv::ScaledDotProductAttentionOptions().causal(true).window(c.window).enable_gqa(c.H != c.Hkv);
+    const auto q = torch::randn({1, c.H, c.N, D}, torch::kDouble).to(torch::kBFloat16);
+    const auto k = torch::randn({1, c.Hkv, c.N, D}, torch::kDouble).to(torch::kBFloat16);
+    const auto v = torch::randn({1, c.Hkv, c.N, D}, torch::kDouble).to(torch::kBFloat16);
+    const auto upstream = torch::randn({1, c.H, c.N, D}, torch::kDouble).to(torch::kBFloat16);
+    const auto bias = c.learned_mask ? torch::randn({c.H, c.N, c.N}, torch::kDouble) : torch::Tensor();
+    if (c.dropout > 0) {  // the kernel's own mask Z: softmax(S) ⊙ Z / (1 - p) times V in float64 math
+      const uint64_t seed = 77;
+      auto tq = q.detach().requires_grad_(true), tk = k.detach().requires_grad_(true),
+           tv = v.detach().requires_grad_(true);
+      auto with_dropout = options;
+      with_dropout.dropout(c.dropout).training(true);
+      const auto tiled = qkv::kernels::tiled_attention_with_seed(tq, tk, tv, with_dropout, seed).output;
+      (tiled.to(torch::kDouble) * upstream.to(torch::kDouble)).sum().backward();
+      const auto keep = qkv::kernels::tiled_dropout_keep_mask(seed, c.dropout, 1, c.H, c.N, c.N).to(torch::kDouble);
+      auto mq = q.to(torch::kDouble).requires_grad_(true), mk = k.to(torch::kDouble).requires_grad_(true),
+           mv = v.to(torch::kDouble).requires_grad_(true);
+      auto math_options = options;
+      math_options.need_weights(true).backend(AttentionBackend::Math);
+      const auto weights = qkv::scaled_dot_product_attention(mq, mk, mv, math_options).weights;
+      const int64_t groups = c.H / c.Hkv;
+      const auto expected = torch::matmul(weights * keep / (1 - c.dropout), mv.repeat_interleave(groups, 1));
+      (expected * upstream.to(torch::kDouble)).sum().backward();
+      expect_same(Outcome{tiled.detach().to(torch::kDouble), tq.grad().to(torch::kDouble), tk.grad().to(torch::kDouble),
+                          tv.grad().to(torch::kDouble)},
+                  Outcome{expected.detach(), mq.grad(), mk.grad(), mv.grad()},
+                  qkv_test::tolerance_for(torch::kBFloat16, c.N), c.name);
+      continue;
+    }
+    const auto [tiled, tiled_bias_grad] =
+        run_with_learned_mask(q, k, v, upstream, options, bias, AttentionBackend::Tiled, torch::kBFloat16);
+    const auto [math, math_bias_grad] =
+        run_with_learned_mask(q, k, v, upstream, options, bias, AttentionBackend::Math, torch::kDouble);
+    const double tolerance = qkv_test::tolerance_for(torch::kBFloat16, c.N);
+    expect_same(tiled, math, tolerance, c.name);
+    if (c.learned_mask) {
+      EXPECT_TRUE(qkv_test::tensors_close(tiled_bias_grad, math_bias_grad, tolerance)) << "the mask's gradient";
+    }
+  }
+  at::set_num_threads(previous_threads);
+}
+
 // The output and the gradients come in the layout of the operand they belong to: from (B, N, H, D)
 // storage seen as (B, H, N, D) (the module's head split), (B, N, H, D) storage again, so that
 // joining the heads and the gradients' way back through the split copy nothing; from contiguous
