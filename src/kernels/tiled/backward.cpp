@@ -83,8 +83,8 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
   if (split.parts() > 1) partial_grad_q.resize(static_cast<size_t>(heads * split.parts() * G * p.N * p.D));
   at::parallel_for(0, heads * split.parts(), tasks_per_chunk(p, p.groups() * p.N), [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas single_threaded;
-    std::vector<acc_t> recomputed(kRowsPerBlock * kKeysPerBlock), grad_probabilities(kRowsPerBlock * kKeysPerBlock),
-        dropped(kRowsPerBlock * kKeysPerBlock), grad_k_block, grad_v_block, grad_q_all, delta;
+    std::vector<acc_t> recomputed(kRowsPerBlock * kScoresStride), grad_probabilities(kRowsPerBlock * kScoresStride),
+        dropped(kRowsPerBlock * kScoresStride), grad_k_block, grad_v_block, grad_q_all, delta;
     std::vector<uint8_t> keep(kKeysPerBlock);
     const ProductKind kind = product_kind<scalar_t>();
     grad_k_block.resize(static_cast<size_t>(kKeysPerBlock * p.D));
@@ -121,16 +121,16 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
       // kept P), and the three products.
       const auto bf16_block = [&](int64_t rows_index, int64_t rows, int64_t padded_rows, int64_t seen, int64_t cols,
                                   int64_t i0, int64_t j0, int64_t g, int64_t h, acc_t factor, const acc_t* scores,
-                                  bool exponentiate) {
+                                  int64_t scores_stride, bool exponentiate) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           values_transposed.multiply_into(Strided<scalar_t>{grad_out.rows(b, h, i0), grad_out.stride_row, 1}, rows,
-                                          1.0f, 0.0f, grad_probabilities.data(), cols, Leading{-1, seen});
+                                          1.0f, 0.0f, grad_probabilities.data(), kScoresStride, Leading{-1, seen});
           GradScoresBlock block;
           block.rows = rows, block.n = seen;
-          block.scores = scores, block.scores_stride = cols;
+          block.scores = scores, block.scores_stride = scores_stride;
           block.lse = exponentiate ? lse + (b * p.H + h) * p.N + i0 : nullptr;
           block.factor = factor;
-          block.grad_probabilities = grad_probabilities.data(), block.grad_probabilities_stride = cols;
+          block.grad_probabilities = grad_probabilities.data(), block.grad_probabilities_stride = kScoresStride;
           block.delta = delta.data() + g * p.N + i0;
           if (p.dropout.active()) {
             for (int64_t r = 0; r < rows; ++r) {
@@ -213,29 +213,31 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
               rows_packed[rows_index] = true;
             }
             // The block's keys these rows can see: a prefix (causal rows end at their own position,
-            // a sequence at its length); the rest have P = 0 and no gradient. The buffers keep a
-            // row stride of `cols`.
+            // a sequence at its length); the rest have P = 0 and no gradient. The blocks of scores
+            // and dP keep rows kScoresStride apart (kernel.h), kept probabilities p.S apart.
             const int64_t seen = std::min(cols, p.key_limit(b, i0 + rows) - j0);
             if (seen <= 0) continue;
             // P = exp(S - L): the forward's probabilities, kept (one key block: j0 = 0, cols = S)
             // or recomputed.
             const acc_t* block_p = recomputed.data();
+            const int64_t p_stride = probabilities != nullptr ? p.S : kScoresStride;
             if (probabilities != nullptr) {
               block_p = probabilities + ((b * p.H + h) * p.N + i0) * p.S;
             } else {
-              keys_transposed.multiply_into(q_rows, rows, p.product_scale(), acc_t(0), recomputed.data(), cols,
-                                            Leading{-1, seen});
+              keys_transposed.multiply_into(q_rows, rows, p.product_scale(), acc_t(0), recomputed.data(),
+                                            kScoresStride, Leading{-1, seen});
               const acc_t factor =
-                  p.apply_masks(b, h, i0, rows, j0, seen, recomputed.data(), cols, p.deferred_scale());
+                  p.apply_masks(b, h, i0, rows, j0, seen, recomputed.data(), kScoresStride, p.deferred_scale());
               if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
                 if (kind.bf16) {  // the exponentials come in the block's one pass below
-                  bf16_block(rows_index, rows, padded_rows, seen, cols, i0, j0, g, h, factor, recomputed.data(), true);
+                  bf16_block(rows_index, rows, padded_rows, seen, cols, i0, j0, g, h, factor, recomputed.data(),
+                             kScoresStride, true);
                   continue;
                 }
               }
               for (int64_t r = 0; r < rows; ++r) {
                 const acc_t row_lse = lse[(b * p.H + h) * p.N + i0 + r];
-                acc_t* row = recomputed.data() + r * cols;
+                acc_t* row = recomputed.data() + r * kScoresStride;
                 if (row_lse == std::numeric_limits<acc_t>::infinity()) {  // a row with no key: P = 0
                   std::fill(row, row + seen, acc_t(0));
                 } else {
@@ -245,46 +247,48 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
             }
             if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
               if (kind.bf16) {  // P kept by the forward
-                bf16_block(rows_index, rows, padded_rows, seen, cols, i0, j0, g, h, acc_t(1), block_p, false);
+                bf16_block(rows_index, rows, padded_rows, seen, cols, i0, j0, g, h, acc_t(1), block_p, p_stride, false);
                 continue;
               }
             }
             // dP = dO Vᵀ
-            values_transposed.multiply_into(go_rows, rows, acc_t(1), acc_t(0), grad_probabilities.data(), cols,
-                                            Leading{-1, seen});
+            values_transposed.multiply_into(go_rows, rows, acc_t(1), acc_t(0), grad_probabilities.data(),
+                                            kScoresStride, Leading{-1, seen});
             // The forward multiplied P by Z / (1 - p) (Z: the kept pairs): V's gradient takes that
             // product, and dP the same factor.
             const acc_t* value_weights = block_p;
+            int64_t value_weights_stride = p_stride;
             if (p.dropout.active()) {
               const acc_t kept = static_cast<acc_t>(p.dropout.scale());
               for (int64_t r = 0; r < rows; ++r) {
                 p.dropout.keep(b * p.H + h, i0 + r, j0, seen, keep.data());
-                const acc_t* row_p = block_p + r * cols;
-                acc_t* row_dropped = dropped.data() + r * cols;
-                acc_t* row_dp = grad_probabilities.data() + r * cols;
+                const acc_t* row_p = block_p + r * p_stride;
+                acc_t* row_dropped = dropped.data() + r * kScoresStride;
+                acc_t* row_dp = grad_probabilities.data() + r * kScoresStride;
                 for (int64_t c = 0; c < seen; ++c) {
                   row_dropped[c] = keep[c] ? row_p[c] * kept : acc_t(0);
                   row_dp[c] = keep[c] ? row_dp[c] * kept : acc_t(0);
                 }
               }
-              value_weights = dropped.data();
+              value_weights = dropped.data(), value_weights_stride = kScoresStride;
             }
             // dV += (P ⊙ Z / (1 - p))ᵀ dO
-            grad_outputs[rows_index].multiply_into(Strided<acc_t>{value_weights, 1, cols}, seen, acc_t(1), acc_t(1),
-                                                   grad_v_block.data(), p.Dv);
+            grad_outputs[rows_index].multiply_into(Strided<acc_t>{value_weights, 1, value_weights_stride}, seen,
+                                                   acc_t(1), acc_t(1), grad_v_block.data(), p.Dv);
             // dS = P ⊙ (dP - D_i), in place of dP.
             for (int64_t r = 0; r < rows; ++r) {
-              softmax_backward(block_p + r * cols, grad_probabilities.data() + r * cols, seen,
+              softmax_backward(block_p + r * p_stride, grad_probabilities.data() + r * kScoresStride, seen,
                                delta[g * p.N + i0 + r]);
             }
             if (grad_scores != nullptr) {  // dS is the additive mask's gradient, as it is the scores'
               for (int64_t r = 0; r < rows; ++r) {
                 std::memcpy(grad_scores + ((b * p.H + h) * p.N + i0 + r) * p.S + j0,
-                            grad_probabilities.data() + r * cols, sizeof(acc_t) * static_cast<size_t>(seen));
+                            grad_probabilities.data() + r * kScoresStride,
+                            sizeof(acc_t) * static_cast<size_t>(seen));
               }
             }
             // dK += dSᵀ Q; dQ += dS K (each times the scale when it is written out)
-            const Strided<acc_t> grad_scores_block{grad_probabilities.data(), cols, 1};
+            const Strided<acc_t> grad_scores_block{grad_probabilities.data(), kScoresStride, 1};
             queries[rows_index].multiply_into(grad_scores_block.transposed(), seen, acc_t(1), acc_t(1),
                                               grad_k_block.data(), p.D);
             acc_t* grad_q_block = grad_q_rows + (g * p.N + i0) * p.D;

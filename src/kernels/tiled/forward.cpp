@@ -67,7 +67,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
   at::parallel_for(0, tasks, tasks_per_chunk(p, std::min(p.N, kRowsPerBlock)), [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas single_threaded;
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-    std::vector<acc_t> scores(kRowsPerBlock * kKeysPerBlock), accumulator, row_max(kRowsPerBlock),
+    std::vector<acc_t> scores(kRowsPerBlock * kScoresStride), accumulator, row_max(kRowsPerBlock),
         row_sum(kRowsPerBlock);
     std::vector<uint8_t> keep(kKeysPerBlock);
     accumulator.resize(static_cast<size_t>(kRowsPerBlock * p.Dv));
@@ -107,11 +107,13 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           narrow_values.prepare({v.rows(b, kv_head, j0), v.stride_row, 1}, cols, p.Dv);
         }
         // Steps 1 and 2: scores of the block (scaled here, or by the exponential below: `factor`).
-        keys->multiply_into(q_rows, rows, p.product_scale(), acc_t(0), scores.data(), cols, Leading{-1, cols});
-        const acc_t factor = p.apply_masks(b, h, i0, rows, j0, cols, scores.data(), cols, p.deferred_scale());
+        keys->multiply_into(q_rows, rows, p.product_scale(), acc_t(0), scores.data(), kScoresStride,
+                            Leading{-1, cols});
+        const acc_t factor =
+            p.apply_masks(b, h, i0, rows, j0, cols, scores.data(), kScoresStride, p.deferred_scale());
         // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
         for (int64_t r = 0; r < rows; ++r) {
-          acc_t* row = scores.data() + r * cols;
+          acc_t* row = scores.data() + r * kScoresStride;
           const acc_t new_max = nan_max(row_max[r], factor * max_of(row, cols));
           if (new_max == kNegInf) {  // nothing attended yet in this row
             if (bf16_weights) {
@@ -152,8 +154,8 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
             continue;
           }
         }
-        values->multiply_into(Strided<acc_t>{scores.data(), cols, 1}, rows, acc_t(1), acc_t(1), accumulator.data(),
-                              p.Dv, Leading{cols, -1});
+        values->multiply_into(Strided<acc_t>{scores.data(), kScoresStride, 1}, rows, acc_t(1), acc_t(1),
+                              accumulator.data(), p.Dv, Leading{cols, -1});
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;

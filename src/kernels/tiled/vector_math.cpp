@@ -311,7 +311,8 @@ struct BlockRow {
 };
 
 // P ⊙ Z / (1 - p) into `weight` and dS into `grad_score` for 16 columns of a row (lanes: those
-// inside n), dS also out to the row's bfloat16 (and float32) output.
+// inside n), dS also out to the row's float32 output where there is one (its bfloat16 row is
+// written by the caller, from the rounding that also makes the panel's pairs).
 QKV_TARGET_BF16 inline void block_row_step(const BlockRow& row, int64_t j0, __mmask16 lanes, __m512 factor,
                                            __m512 keep_scale, __m512& weight, __m512& grad_score) {
   __m512 p;
@@ -330,7 +331,6 @@ QKV_TARGET_BF16 inline void block_row_step(const BlockRow& row, int64_t j0, __mm
     dp = _mm512_maskz_mul_ps(kept, dp, keep_scale);
   }
   grad_score = _mm512_maskz_mul_ps(lanes, p, _mm512_sub_ps(dp, row.delta));
-  _mm256_mask_storeu_epi16(row.grad_score_row + j0, lanes, (__m256i)_mm512_cvtneps_pbh(grad_score));
   if (row.grad_scores_float != nullptr) _mm512_mask_storeu_ps(row.grad_scores_float + j0, lanes, grad_score);
 }
 
@@ -381,7 +381,16 @@ QKV_TARGET_BF16 void softmax_backward_block_avx512(const GradScoresBlock& g) {
           if (has_odd) block_row_step(odd, j0, lanes, factor, keep_scale, w1, ds1);
         }
         _mm512_storeu_si512(weight_pairs + jp * panel_values + 2 * half, rounded_pairs(w0, w1));
-        _mm512_storeu_si512(grad_score_pairs + jp * panel_values + 2 * half, rounded_pairs(ds0, ds1));
+        // dS of both rows rounded once: the even row's 16 values in the low half, the odd row's in
+        // the high half, as the rows take them; interleaved, as the panel takes them.
+        const __m512i grad_scores = (__m512i)_mm512_cvtne2ps_pbh(ds1, ds0);
+        _mm512_storeu_si512(grad_score_pairs + jp * panel_values + 2 * half, tiled::interleave_halves(grad_scores));
+        if (lanes != 0) {
+          _mm256_mask_storeu_epi16(even.grad_score_row + j0, lanes, _mm512_castsi512_si256(grad_scores));
+          if (has_odd) {
+            _mm256_mask_storeu_epi16(odd.grad_score_row + j0, lanes, _mm512_extracti64x4_epi64(grad_scores, 1));
+          }
+        }
       }
     }
   }
