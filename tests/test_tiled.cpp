@@ -10,6 +10,7 @@
 
 #include <gmock/gmock.h>
 
+#include <array>
 #include <limits>
 #include <random>
 
@@ -166,11 +167,13 @@ TEST(Tiled, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
 // (Its exponential also used to run into undefined behaviour, which UBSan reported.)
 TEST(Tiled, NaNInputsGiveNaNWhereTheMathPathGivesNaN) {
   torch::manual_seed(4);
-  for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+  for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
     auto q = torch::randn({2, 2, 40, 16}, dtype), k = torch::randn({2, 2, 300, 16}, dtype);
     const auto v = torch::randn({2, 2, 300, 16}, dtype);
     q[0][1][7][3] = std::numeric_limits<double>::quiet_NaN();
     k[1][0][250][0] = std::numeric_limits<double>::quiet_NaN();
+    // In the second key block: bfloat16 exponentiates it with the first block's maximum as the shift.
+    k[1][1][280][0] = std::numeric_limits<double>::quiet_NaN();
     const auto upstream = torch::randn({2, 2, 40, 16}, dtype);
     const auto options = qkv::ScaledDotProductAttentionOptions();
     const auto tiled = run(q, k, v, upstream, options, AttentionBackend::Tiled);
@@ -180,8 +183,46 @@ TEST(Tiled, NaNInputsGiveNaNWhereTheMathPathGivesNaN) {
     EXPECT_TRUE(torch::equal(nan_rows(tiled.output), nan_rows(math.output))) << c10::toString(dtype);
     EXPECT_TRUE(tiled.output[0][1][7].isnan().all().item<bool>());
     EXPECT_TRUE(tiled.output[1][0].isnan().all().item<bool>());
+    EXPECT_TRUE(tiled.output[1][1].isnan().all().item<bool>());
     EXPECT_FALSE(tiled.output[0][0].isnan().any().item<bool>());
   }
+}
+
+// With bfloat16 weights the forward exponentiates a row's later key blocks with the row maximum of
+// the blocks before as the shift, and redoes a block with its own maximum where that rose more than
+// a slack (e^8) above it. Rows whose later blocks' scores rise by 3 and 6 (kept: weights above 1),
+// by 12 and by 100 (redone; e^100 would overflow float32), fall by 40, or rise block after block,
+// against float64 math, with every
+// gradient (the backward's probabilities come from the forward's log-sum-exp), on one thread and two.
+TEST(Tiled, BFloat16ForwardShiftsLaterBlocksByTheRowMaximumSoFar) {
+  const int previous_threads = at::get_num_threads();
+  torch::manual_seed(45);
+  const int64_t N = 96, S = 800, D = 16;  // four key blocks, the last one partial
+  const auto q = torch::randn({1, 2, N, D}, torch::kDouble), k = torch::randn({1, 2, S, D}, torch::kDouble);
+  const auto v = torch::randn({1, 2, S, D}, torch::kDouble), upstream = torch::randn({1, 2, N, D}, torch::kDouble);
+  // Additive mask (H, N, S): what each group of 16 rows adds to the keys of blocks 1, 2 and 3.
+  auto bias = torch::zeros({2, N, S}, torch::kDouble);
+  const std::vector<std::array<double, 3>> rises{{3, 3, 3}, {6, 0, 6}, {12, 0, 0}, {0, 100, 0}, {-40, -40, -40},
+                                                 {7, 14, 21}};
+  for (int64_t group = 0; group < 6; ++group) {
+    for (int64_t block = 1; block < 4; ++block) {
+      bias.slice(1, 16 * group, 16 * group + 16).slice(2, 256 * block, std::min<int64_t>(S, 256 * block + 256)) +=
+          rises[group][block - 1];
+    }
+  }
+  for (const int threads : {1, 2}) {
+    SCOPED_TRACE(std::to_string(threads) + " threads");
+    at::set_num_threads(threads);
+    const auto options = qkv::ScaledDotProductAttentionOptions();
+    const auto [tiled, tiled_bias_grad] =
+        run_with_learned_mask(q, k, v, upstream, options, bias, AttentionBackend::Tiled, torch::kBFloat16);
+    const auto [math, math_bias_grad] =
+        run_with_learned_mask(q, k, v, upstream, options, bias, AttentionBackend::Math, torch::kDouble);
+    const double tolerance = qkv_test::tolerance_for(torch::kBFloat16, S);
+    expect_same(tiled, math, tolerance, "rising and falling blocks");
+    EXPECT_TRUE(qkv_test::tensors_close(tiled_bias_grad, math_bias_grad, tolerance)) << "the mask's gradient";
+  }
+  at::set_num_threads(previous_threads);
 }
 
 TEST(Tiled, BFloat16MatchesFloat64Math) {

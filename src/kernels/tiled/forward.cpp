@@ -23,6 +23,10 @@ namespace qkv::kernels::tiled {
 
 namespace {
 
+// How far above the row maximum so far a block's scores may lie and still be exponentiated with
+// that maximum as their shift (the bfloat16 weights' speculative shift, below): e^8 ≈ 3000.
+constexpr float kShiftSlack = 8.0f;
+
 // The packed key and value blocks of one key/value head, kept by a thread from task to task: its
 // tasks are consecutive row blocks (and, with GQA, heads) of mostly the same key/value head, so
 // each block is packed about once per thread and head rather than once per row block.
@@ -114,6 +118,23 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
         for (int64_t r = 0; r < rows; ++r) {
           acc_t* row = scores.data() + r * kScoresStride;
+          if constexpr (std::is_same_v<acc_t, float>) {
+            // bfloat16 weights after a row's first block with a key: exponentials shifted by the row
+            // maximum so far, the block's own maximum taken in the same pass, kept unless it rose
+            // more than kShiftSlack above (weights up to e^kShiftSlack: no overflow; row_sum and the
+            // accumulator stay relative to the same row_max; a NaN score makes the sum, and so the
+            // row, NaN either way). Otherwise, and for every other block, a pass for the maximum first.
+            if (bf16_weights && row_max[r] > kNegInf) {
+              float largest = kNegInf;
+              const float sum = exp_shifted_sum_to_bf16(row, cols, factor, row_max[r],
+                                                        reinterpret_cast<uint16_t*>(weights.data() + r * cols),
+                                                        &largest);
+              if (factor * largest <= row_max[r] + kShiftSlack) {
+                row_sum[r] += sum;
+                continue;
+              }
+            }
+          }
           const acc_t new_max = nan_max(row_max[r], factor * max_of(row, cols));
           if (new_max == kNegInf) {  // nothing attended yet in this row
             if (bf16_weights) {

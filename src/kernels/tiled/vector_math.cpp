@@ -93,17 +93,19 @@ __attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_
   return _mm512_reduce_add_ps(sum);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) float exp_shifted_sum_to_bf16_avx512(const float* x, int64_t n,
-                                                                                  float factor, float shift,
-                                                                                  uint16_t* out) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) float exp_shifted_sum_to_bf16_avx512(
+    const float* x, int64_t n, float factor, float shift, uint16_t* out, float* largest) {
   const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift);
-  __m512 sum = _mm512_setzero_ps();
+  __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = tail_lanes(n - i);
-    const __m512 e = exp_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v, shift_v), lanes);
+    const __m512 values = _mm512_maskz_loadu_ps(lanes, x + i);
+    const __m512 e = exp_for_bf16(_mm512_fmsub_ps(values, factor_v, shift_v), lanes);
     _mm256_mask_storeu_epi16(out + i, lanes, (__m256i)_mm512_cvtneps_pbh(e));
     sum = _mm512_add_ps(sum, e);
+    top = _mm512_mask_max_ps(top, lanes, top, values);
   }
+  if (largest != nullptr) *largest = _mm512_reduce_max_ps(top);
   return _mm512_reduce_add_ps(sum);
 }
 #endif
@@ -131,24 +133,26 @@ uint16_t bf16_bits(float value) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-float exp_shifted_sum_to_bf16_portable(const float* x, int64_t n, float factor, float shift, uint16_t* out) {
+float exp_shifted_sum_to_bf16_portable(const float* x, int64_t n, float factor, float shift, uint16_t* out,
+                                       float* largest) {
   thread_local std::vector<float> values;
   values.assign(x, x + n);
   const float sum = exp_shifted_sum(values.data(), n, factor, shift);
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(values[i]);
+  if (largest != nullptr) *largest = n > 0 ? max_of(x, n) : -std::numeric_limits<float>::infinity();
   return sum;
 }
 
 }  // namespace
 
-float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shift, uint16_t* out) {
+float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shift, uint16_t* out, float* largest) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512Bf16)) return &exp_shifted_sum_to_bf16_avx512;
 #endif
     return &exp_shifted_sum_to_bf16_portable;
   }();
-  return implementation(x, n, factor, shift, out);
+  return implementation(x, n, factor, shift, out, largest);
 }
 
 namespace {

@@ -23,7 +23,11 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) { return exp_shif
 /// sum is of the float32 values. One pass where rounding the float32 results afterwards took two.
 /// On AVX-512 the exponentials are those of a shorter polynomial (relative error below 3e-6, plus
 /// |v| · 6e-8 from forming v · log2(e): far below bfloat16's 2^-9), as are softmax_backward_block's.
-float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shift, uint16_t* out);
+/// Where `largest` is not null it receives the largest x[i] of the same pass (-inf for n = 0; a NaN
+/// may or may not be taken, but it always reaches the sum): the forward's shift for a block is
+/// then the row maximum so far, checked afterwards, instead of a pass for the block's maximum first.
+float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shift, uint16_t* out,
+                              float* largest = nullptr);
 inline double exp_shifted_sum(double* x, int64_t n, double shift) { return exp_shifted_sum(x, n, 1.0, shift); }
 
 /// The larger of a and b, where a NaN in either wins: a row with a NaN score must give NaN, as
