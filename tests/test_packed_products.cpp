@@ -160,6 +160,33 @@ TEST(PackedProducts, LeadingPartsOfAPackedOperandMatchFloat64) {
   EXPECT_GE(cases, 2 * 4 * 4);
 }
 
+// The default instruction set is the best the CPU runs, but on Intel CPUs with AVX512_BF16 and no
+// AMX, where vdpbf16ps was measured slower than the float32 micro-kernels (cpu_features.h); the
+// environment variable still reaches every path the CPU has.
+TEST(PackedProducts, DefaultInstructionSetSkipsVdpbf16psOnIntelCores) {
+  using qkv::kernels::tiled::CpuVendor;
+  using qkv::kernels::tiled::default_isa;
+  for (const auto vendor : {CpuVendor::Intel, CpuVendor::Amd, CpuVendor::Other}) {
+    for (const auto isa : {ProductIsa::Portable, ProductIsa::Avx2, ProductIsa::Avx512, ProductIsa::AmxBf16}) {
+      EXPECT_EQ(default_isa(isa, vendor), isa);
+    }
+  }
+  EXPECT_EQ(default_isa(ProductIsa::Avx512Bf16, CpuVendor::Intel), ProductIsa::Avx512);
+  EXPECT_EQ(default_isa(ProductIsa::Avx512Bf16, CpuVendor::Amd), ProductIsa::Avx512Bf16);
+  EXPECT_EQ(default_isa(ProductIsa::Avx512Bf16, CpuVendor::Other), ProductIsa::Avx512Bf16);
+  // This machine: cpuid's vendor as /proc/cpuinfo has it.
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("vendor_id", 0) != 0) continue;
+    const bool intel = line.find("GenuineIntel") != std::string::npos;
+    const bool amd = line.find("AuthenticAMD") != std::string::npos;
+    EXPECT_EQ(qkv::kernels::tiled::cpu_vendor(),
+              intel ? CpuVendor::Intel : amd ? CpuVendor::Amd : CpuVendor::Other) << line;
+    break;
+  }
+}
+
 TEST(PackedProducts, ReportsWhatTheCpuHas) {
   const auto flags = qkv::kernels::tiled::cpu_flags();
   const ProductIsa isa = detected_isa();

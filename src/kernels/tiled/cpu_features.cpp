@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string_view>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -84,11 +85,29 @@ ProductIsa detected_isa() {
   return tiles_granted ? ProductIsa::AmxBf16 : ProductIsa::Avx512Bf16;
 }
 
+CpuVendor cpu_vendor() {
+#if defined(QKV_X86)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return CpuVendor::Other;
+  char name[13] = {};
+  std::memcpy(name, &ebx, 4), std::memcpy(name + 4, &edx, 4), std::memcpy(name + 8, &ecx, 4);
+  const std::string_view vendor(name, 12);
+  if (vendor == "GenuineIntel") return CpuVendor::Intel;
+  if (vendor == "AuthenticAMD") return CpuVendor::Amd;
+#endif
+  return CpuVendor::Other;
+}
+
+ProductIsa default_isa(ProductIsa detected, CpuVendor vendor) {
+  if (detected == ProductIsa::Avx512Bf16 && vendor == CpuVendor::Intel) return ProductIsa::Avx512;
+  return detected;
+}
+
 ProductIsa active_isa() {
   static const ProductIsa chosen = [] {
     const ProductIsa detected = detected_isa();
     const char* requested = std::getenv("QKV_TILED_ISA");
-    if (requested == nullptr || *requested == '\0') return detected;
+    if (requested == nullptr || *requested == '\0') return default_isa(detected, cpu_vendor());
     const ProductIsa wanted = parse_isa(requested);
     return at_least(detected, wanted) ? wanted : detected;
   }();

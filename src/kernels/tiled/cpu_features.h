@@ -22,10 +22,24 @@ inline bool at_least(ProductIsa isa, ProductIsa floor) { return static_cast<int>
 /// What this CPU and operating system can run.
 ProductIsa detected_isa();
 
-/// What the kernel uses: detected_isa(), lowered by the environment variable QKV_TILED_ISA
-/// (portable, avx2, avx512, avx512_bf16, amx_bf16) when set, so that tests and benchmarks can run the
-/// narrower paths on a wide CPU. A value naming more than the CPU has is capped at what it has;
-/// an unknown value is an error naming the accepted ones. Read once.
+/// Who made the CPU (cpuid's vendor string), where that decides between two paths it can run.
+enum class CpuVendor { Intel, Amd, Other };
+CpuVendor cpu_vendor();
+
+/// The instruction set the kernel takes by default where `detected` is what the CPU can run: that
+/// one, except on an Intel CPU whose best is avx512_bf16 (AVX512_BF16 without AMX: Cooper Lake, or a
+/// later Xeon whose AMX the hypervisor or the kernel withholds), which gets avx512: there vdpbf16ps
+/// multiplies no more pairs per cycle than two FMA ports multiply float32 values, and the bfloat16
+/// core on it was measured 1.24-1.31× slower than on the float32 micro-kernels with its values
+/// widened (Intel Xeon with AMX, QKV_TILED_ISA=avx512_bf16 against avx512, 2026-12-02), where AMD
+/// Zen 4's was 1.4-1.7× faster than float32 (docs/PERFORMANCE.md).
+ProductIsa default_isa(ProductIsa detected, CpuVendor vendor);
+
+/// What the kernel uses: default_isa(detected_isa(), cpu_vendor()), or the instruction set the
+/// environment variable QKV_TILED_ISA names (portable, avx2, avx512, avx512_bf16, amx_bf16) when
+/// set, so that tests and benchmarks can run every path the CPU can: the narrower ones, and
+/// avx512_bf16 on an Intel CPU. A value naming more than the CPU has is capped at what it has; an
+/// unknown value is an error naming the accepted ones. Read once.
 ProductIsa active_isa();
 
 /// "portable", "avx2", "avx512", "avx512_bf16", "amx_bf16".
