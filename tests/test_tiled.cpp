@@ -119,6 +119,32 @@ void expect_same(const Outcome& actual, const Outcome& expected, double toleranc
   EXPECT_TRUE(qkv_test::tensors_close(actual.grad_v, expected.grad_v, tolerance, scale)) << what << ": dV";
 }
 
+// Dropout with the kernel's own mask Z (tiled_dropout_keep_mask for `seed`): the tiled kernel's
+// outcome on leaf copies of q, k, v (B, H or Hkv, rows, D) in their dtype, and the reference
+// softmax(S) ⊙ Z / (1 - p) · V computed plainly by the math path in float64, both with `options`
+// (no dropout, no backend: enable_gqa where H ≠ Hkv) and the same upstream gradient.
+std::pair<Outcome, Outcome> dropout_against_the_kernels_mask(const torch::Tensor& q, const torch::Tensor& k,
+                                                             const torch::Tensor& v, const torch::Tensor& upstream,
+                                                             qkv::ScaledDotProductAttentionOptions options, double p,
+                                                             uint64_t seed) {
+  auto tq = q.clone().requires_grad_(true), tk = k.clone().requires_grad_(true), tv = v.clone().requires_grad_(true);
+  auto with_dropout = options;
+  with_dropout.dropout(p).training(true).backend(AttentionBackend::Tiled);
+  const auto tiled = qkv::kernels::tiled_attention_with_seed(tq, tk, tv, with_dropout, seed).output;
+  (tiled * upstream).sum().backward();
+  const auto keep =
+      qkv::kernels::tiled_dropout_keep_mask(seed, p, q.size(0), q.size(1), q.size(2), k.size(2)).to(torch::kDouble);
+  auto wide = [](const torch::Tensor& t) { return t.to(torch::kDouble).requires_grad_(true); };
+  auto mq = wide(q), mk = wide(k), mv = wide(v);
+  auto math = options;
+  math.need_weights(true).backend(AttentionBackend::Math);
+  const auto weights = qkv::scaled_dot_product_attention(mq, mk, mv, math).weights;  // (B, H, N, S)
+  const auto expected = torch::matmul(weights * keep / (1 - p), mv.repeat_interleave(q.size(1) / k.size(1), 1));
+  (expected * upstream.to(torch::kDouble)).sum().backward();
+  return {Outcome{tiled.detach(), tq.grad(), tk.grad(), tv.grad()},
+          Outcome{expected.detach(), mq.grad(), mk.grad(), mv.grad()}};
+}
+
 // ≥ 100 random configurations per dtype: outputs and every gradient equal the math path's
 // (float64 within 1e-10, float32 within 1e-5 relative to each tensor's size).
 TEST(Tiled, MatchesTheMathPathOverRandomConfigurations) {
@@ -298,21 +324,9 @@ TEST(Tiled, BackwardSplitOverKeysMatchesTheMathPath) {
     const double p = 0.2;
     const auto q = torch::randn({1, 1, N, D}, torch::kDouble), k = torch::randn({1, 1, S, D}, torch::kDouble);
     const auto v = torch::randn({1, 1, S, D}, torch::kDouble), upstream = torch::randn({1, 1, N, D}, torch::kDouble);
-    auto tq = q.clone().requires_grad_(true), tk = k.clone().requires_grad_(true), tv = v.clone().requires_grad_(true);
-    const auto options = qkv::ScaledDotProductAttentionOptions().dropout(p).training(true).causal(true);
-    auto tiled = qkv::kernels::tiled_attention_with_seed(tq, tk, tv, options, seed).output;
-    (tiled * upstream).sum().backward();
-    const auto keep = qkv::kernels::tiled_dropout_keep_mask(seed, p, 1, 1, N, S).to(torch::kDouble);
-    auto mq = q.clone().requires_grad_(true), mk = k.clone().requires_grad_(true), mv = v.clone().requires_grad_(true);
-    const auto weights =
-        qkv::scaled_dot_product_attention(
-            mq, mk, mv,
-            qkv::ScaledDotProductAttentionOptions().causal(true).need_weights(true).backend(AttentionBackend::Math))
-            .weights;
-    const auto expected = torch::matmul(weights * keep / (1 - p), mv);
-    (expected * upstream).sum().backward();
-    expect_same(Outcome{tiled.detach(), tq.grad(), tk.grad(), tv.grad()},
-                Outcome{expected.detach(), mq.grad(), mk.grad(), mv.grad()}, 1e-10, "dropout, keys split");
+    const auto [tiled, reference] = dropout_against_the_kernels_mask(
+        q, k, v, upstream, qkv::ScaledDotProductAttentionOptions().causal(true), p, seed);
+    expect_same(tiled, reference, 1e-10, "dropout, keys split");
   }
   at::set_num_threads(previous_threads);
 }
@@ -403,26 +417,9 @@ TEST(Tiled, BFloat16BackwardOverManyBlocksMatchesTheMathPath) {
     const auto upstream = torch::randn({1, c.H, c.N, D}, torch::kDouble).to(torch::kBFloat16);
     const auto bias = c.learned_mask ? torch::randn({c.H, c.N, c.N}, torch::kDouble) : torch::Tensor();
     if (c.dropout > 0) {  // the kernel's own mask Z: softmax(S) ⊙ Z / (1 - p) times V in float64 math
-      const uint64_t seed = 77;
-      auto tq = q.detach().requires_grad_(true), tk = k.detach().requires_grad_(true),
-           tv = v.detach().requires_grad_(true);
-      auto with_dropout = options;
-      with_dropout.dropout(c.dropout).training(true);
-      const auto tiled = qkv::kernels::tiled_attention_with_seed(tq, tk, tv, with_dropout, seed).output;
-      (tiled.to(torch::kDouble) * upstream.to(torch::kDouble)).sum().backward();
-      const auto keep = qkv::kernels::tiled_dropout_keep_mask(seed, c.dropout, 1, c.H, c.N, c.N).to(torch::kDouble);
-      auto mq = q.to(torch::kDouble).requires_grad_(true), mk = k.to(torch::kDouble).requires_grad_(true),
-           mv = v.to(torch::kDouble).requires_grad_(true);
-      auto math_options = options;
-      math_options.need_weights(true).backend(AttentionBackend::Math);
-      const auto weights = qkv::scaled_dot_product_attention(mq, mk, mv, math_options).weights;
-      const int64_t groups = c.H / c.Hkv;
-      const auto expected = torch::matmul(weights * keep / (1 - c.dropout), mv.repeat_interleave(groups, 1));
-      (expected * upstream.to(torch::kDouble)).sum().backward();
-      expect_same(Outcome{tiled.detach().to(torch::kDouble), tq.grad().to(torch::kDouble), tk.grad().to(torch::kDouble),
-                          tv.grad().to(torch::kDouble)},
-                  Outcome{expected.detach(), mq.grad(), mk.grad(), mv.grad()},
-                  qkv_test::tolerance_for(torch::kBFloat16, c.N), c.name);
+      const auto [tiled, reference] =
+          dropout_against_the_kernels_mask(q, k, v, upstream, options, c.dropout, /*seed=*/77);
+      expect_same(tiled, reference, qkv_test::tolerance_for(torch::kBFloat16, c.N), c.name);
       continue;
     }
     const auto [tiled, tiled_bias_grad] =
@@ -562,33 +559,8 @@ TEST(TiledDropout, EqualsTheMathPathGivenTheKernelsMask) {
       auto input = [&](std::vector<int64_t> shape) { return torch::randn(shape, torch::kDouble).to(dtype); };
       const auto q = input({B, H, N, D}), k = input({B, Hkv, S, D}), v = input({B, Hkv, S, D});
       const auto upstream = input({B, H, N, D});
-      const auto options = qkv::ScaledDotProductAttentionOptions()
-                               .dropout(p)
-                               .training(true)
-                               .causal(true)
-                               .window(window)
-                               .enable_gqa(true)
-                               .backend(AttentionBackend::Tiled);
-      auto tq = q.clone().requires_grad_(true), tk = k.clone().requires_grad_(true), tv = v.clone().requires_grad_(true);
-      auto tiled = qkv::kernels::tiled_attention_with_seed(tq, tk, tv, options, seed).output;
-      (tiled * upstream).sum().backward();
-
-      const auto keep = qkv::kernels::tiled_dropout_keep_mask(seed, p, B, H, N, S).to(torch::kDouble);
-      auto wide = [](const torch::Tensor& t) { return t.to(torch::kDouble).requires_grad_(true); };
-      auto mq = wide(q), mk = wide(k), mv = wide(v);
-      const auto weights = qkv::scaled_dot_product_attention(mq, mk, mv,
-                                                             qkv::ScaledDotProductAttentionOptions()
-                                                                 .causal(true)
-                                                                 .window(window)
-                                                                 .enable_gqa(true)
-                                                                 .need_weights(true)
-                                                                 .backend(AttentionBackend::Math))
-                               .weights;  // (B, H, N, S)
-      const auto values = mv.repeat_interleave(H / Hkv, 1);
-      const auto expected = torch::matmul(weights * keep / (1 - p), values);
-      (expected * upstream.to(torch::kDouble)).sum().backward();
-      const Outcome actual{tiled.detach(), tq.grad(), tk.grad(), tv.grad()};
-      const Outcome reference{expected.detach(), mq.grad(), mk.grad(), mv.grad()};
+      const auto options = qkv::ScaledDotProductAttentionOptions().causal(true).window(window).enable_gqa(true);
+      const auto [actual, reference] = dropout_against_the_kernels_mask(q, k, v, upstream, options, p, seed);
       const double tolerance = dtype == torch::kDouble ? 1e-10 : qkv_test::tolerance_for(dtype, S);
       expect_same(actual, reference, tolerance,
                   "dropout with the kernel's mask, " + std::string(c10::toString(dtype)) +

@@ -118,6 +118,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
         for (int64_t r = 0; r < rows; ++r) {
           acc_t* row = scores.data() + r * kScoresStride;
+          uint16_t* row_weights = bf16_weights ? reinterpret_cast<uint16_t*>(weights.data() + r * cols) : nullptr;
           if constexpr (std::is_same_v<acc_t, float>) {
             // bfloat16 weights after a row's first block with a key: exponentials shifted by the row
             // maximum so far, the block's own maximum taken in the same pass, kept unless it rose
@@ -126,9 +127,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
             // row, NaN either way). Otherwise, and for every other block, a pass for the maximum first.
             if (bf16_weights && row_max[r] > kNegInf) {
               float largest = kNegInf;
-              const float sum = exp_shifted_sum_to_bf16(row, cols, factor, row_max[r],
-                                                        reinterpret_cast<uint16_t*>(weights.data() + r * cols),
-                                                        &largest);
+              const float sum = exp_shifted_sum_to_bf16(row, cols, factor, row_max[r], row_weights, &largest);
               if (factor * largest <= row_max[r] + kShiftSlack) {
                 row_sum[r] += sum;
                 continue;
@@ -138,7 +137,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           const acc_t new_max = nan_max(row_max[r], factor * max_of(row, cols));
           if (new_max == kNegInf) {  // nothing attended yet in this row
             if (bf16_weights) {
-              std::fill_n(weights.data() + r * cols, cols, c10::BFloat16(0.0f));
+              std::fill_n(row_weights, cols, uint16_t(0));
             } else {
               std::fill(row, row + cols, acc_t(0));
             }
@@ -147,8 +146,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           const acc_t correction = std::exp(row_max[r] - new_max);  // exp(-inf) = 0 on the first block
           acc_t sum;
           if constexpr (std::is_same_v<acc_t, float>) {
-            sum = bf16_weights ? exp_shifted_sum_to_bf16(row, cols, factor, new_max,
-                                                         reinterpret_cast<uint16_t*>(weights.data() + r * cols))
+            sum = bf16_weights ? exp_shifted_sum_to_bf16(row, cols, factor, new_max, row_weights)
                                : exp_shifted_sum(row, cols, factor, new_max);
           } else {
             sum = exp_shifted_sum(row, cols, factor, new_max);

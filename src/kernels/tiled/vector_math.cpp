@@ -139,7 +139,7 @@ float exp_shifted_sum_to_bf16_portable(const float* x, int64_t n, float factor, 
   values.assign(x, x + n);
   const float sum = exp_shifted_sum(values.data(), n, factor, shift);
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(values[i]);
-  if (largest != nullptr) *largest = n > 0 ? max_of(x, n) : -std::numeric_limits<float>::infinity();
+  if (largest != nullptr) *largest = max_of(x, n);
   return sum;
 }
 
