@@ -242,6 +242,21 @@ TEST(PackedProducts, AmxTilesMatchFloat64AtTheirEdges) {
   }
   EXPECT_EQ(cases, 9 * 6 * 5);
 
+  // One-pass products into C as it is (alpha 1, beta 0: the scores at D <= 32), which run 32 rows at
+  // a time with the C tiles alternating in pairs: odd and even counts of column tiles, rows past the
+  // last group of 32 (C starts as NaN: every value must be written).
+  int one_pass = 0;
+  for (const int64_t m : {32, 40, 64, 96}) {
+    for (const int64_t k : {16, 32}) {
+      for (const int64_t n : {16, 32, 48, 64, 256}) {
+        check_product<float>(amx, m, n, k, one_pass % 2 == 0, n % 32 == 0, 1.0f, 0.0f, random);
+        check_product<c10::BFloat16>(amx, m, n, k, false, one_pass % 3 == 0, 1.0f, 0.0f, random);
+        ++one_pass;
+      }
+    }
+  }
+  EXPECT_EQ(one_pass, 4 * 2 * 5);
+
   // B (k_packed × n) with infinities and NaN in its rows past the leading k; A's k columns finite.
   for (const int64_t k : {1, 7, 31, 33, 100}) {
     const int64_t k_packed = k + 40, n = 40, m = 20;
