@@ -18,7 +18,7 @@ namespace qkv::kernels::tiled {
 namespace {
 
 struct Flags {
-  bool avx2 = false, fma = false, avx512f = false, avx512bw = false, avx512vl = false, avx512_bf16 = false,
+  bool avx2 = false, fma = false, avx512f = false, avx512dq = false, avx512bw = false, avx512vl = false, avx512_bf16 = false,
        amx_bf16 = false, amx_tile = false;
 };
 
@@ -48,6 +48,7 @@ Flags read_flags() {
   f.avx2 = ymm_saved && ((ebx >> 5) & 1);
   f.fma = ymm_saved && fma;
   f.avx512f = zmm_saved && ((ebx >> 16) & 1);
+  f.avx512dq = zmm_saved && ((ebx >> 17) & 1);
   f.avx512bw = zmm_saved && ((ebx >> 30) & 1);
   f.avx512vl = zmm_saved && ((ebx >> 31) & 1);
   f.amx_bf16 = tiles_saved && ((edx >> 22) & 1);
@@ -79,7 +80,9 @@ ProductIsa detected_isa() {
   const Flags& f = flags();
   if (!(f.avx2 && f.fma)) return ProductIsa::Portable;
   if (!(f.avx512f && f.avx512bw && f.avx512vl)) return ProductIsa::Avx2;
-  if (!f.avx512_bf16) return ProductIsa::Avx512;
+  // The bfloat16 paths' exponential takes AVX512DQ's vreduceps (vector_math.cpp): every CPU with
+  // AVX512_BF16 has it, and one without it is given the float32 paths.
+  if (!(f.avx512_bf16 && f.avx512dq)) return ProductIsa::Avx512;
   // AMX's registers need the kernel's leave per process (Linux 5.16 on); asked once.
   static const bool tiles_granted = f.amx_tile && f.amx_bf16 && amx::request_tile_permission();
   return tiles_granted ? ProductIsa::AmxBf16 : ProductIsa::Avx512Bf16;
@@ -136,6 +139,7 @@ std::string cpu_flags() {
   add(f.avx2, "avx2");
   add(f.fma, "fma");
   add(f.avx512f, "avx512f");
+  add(f.avx512dq, "avx512dq");
   add(f.avx512bw, "avx512bw");
   add(f.avx512vl, "avx512vl");
   add(f.avx512_bf16, "avx512_bf16");
