@@ -252,8 +252,10 @@ QKV_TARGET_AMX void block(const LeftTiles& a, int64_t i0, const uint16_t* panels
 // stay loaded across the row, and the C tiles alternate in pairs so that one column tile's products
 // can run while the previous one's sums are stored; block<2, 2> zeroes, multiplies into and stores
 // the same four C tiles block after block, so that its next products wait for its stores.
-// 1-4% faster than block<2, 2> on the bfloat16 core at B=8 H=8 N=512 D=32 (Intel Xeon with AMX,
-// 2026-12-02, five comparisons against the build before, 2 threads and 1).
+// On the bfloat16 core at B=8 H=8 N=512 D=32 1-4% faster than block<2, 2> in five comparisons with
+// the build before (Intel Xeon with AMX, 2026-12-02, 2 threads and 1; the machine's noise is of
+// that size): a tile store there costs as much as a product and does not overlap it
+// (docs/PERFORMANCE.md), so at one pass per tile the products wait on the stores either way.
 QKV_TARGET_AMX void single_pass_rows(const LeftTiles& a, int64_t i0, const uint16_t* panels, int64_t panel_step,
                                      int64_t n_tiles, float* c, int64_t ldc) {
   int64_t s0 = 0, s1 = 0;

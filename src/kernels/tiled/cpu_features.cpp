@@ -18,8 +18,8 @@ namespace qkv::kernels::tiled {
 namespace {
 
 struct Flags {
-  bool avx2 = false, fma = false, avx512f = false, avx512dq = false, avx512bw = false, avx512vl = false, avx512_bf16 = false,
-       amx_bf16 = false, amx_tile = false;
+  bool avx2 = false, fma = false, avx512f = false, avx512dq = false, avx512bw = false, avx512vl = false,
+       avx512_bf16 = false, amx_bf16 = false, amx_tile = false;
 };
 
 #if defined(QKV_X86)
