@@ -206,9 +206,11 @@ TEST(PackedProducts, ReportsWhatTheCpuHas) {
   while (std::getline(cpuinfo, line)) {
     if (line.rfind("flags", 0) != 0) continue;
     const bool bf16 = line.find(" avx512_bf16") != std::string::npos;
+    const bool dq = line.find(" avx512dq") != std::string::npos;  // the bfloat16 paths' vreduceps
     const bool amx = line.find(" amx_bf16") != std::string::npos && line.find(" amx_tile") != std::string::npos;
-    EXPECT_EQ(bf16, qkv::kernels::tiled::at_least(isa, ProductIsa::Avx512Bf16)) << line;
-    EXPECT_EQ(bf16 && amx, isa == ProductIsa::AmxBf16) << line;
+    EXPECT_EQ(dq, flags.find("avx512dq") != std::string::npos) << line;
+    EXPECT_EQ(bf16 && dq, qkv::kernels::tiled::at_least(isa, ProductIsa::Avx512Bf16)) << line;
+    EXPECT_EQ(bf16 && dq && amx, isa == ProductIsa::AmxBf16) << line;
     break;
   }
 }
