@@ -263,41 +263,39 @@ QKV_TARGET_AMX void single_pass_rows(const LeftTiles& a, int64_t i0, const uint1
   const uint16_t* a1 = a.tile(i0 + 16, s1);
   constexpr int64_t kBStride = 16 * 2 * sizeof(uint16_t);
   const int64_t cs = ldc * static_cast<int64_t>(sizeof(float));
-  float* c1 = c + 16 * ldc;
   _tile_loadd(4, a0, s0);
   _tile_loadd(5, a1, s1);
+  // Column tile T into C tiles C0 (rows 0-15) and C1 (rows 16-31), B's tile in register B; and the
+  // storing of such a pair. Macros, not templates: GCC's tile intrinsics paste the register number
+  // into their assembly text.
+#define QKV_ONE_PASS_COLUMN(C0, C1, B, T)                \
+  _tile_zero(C0);                                        \
+  _tile_zero(C1);                                        \
+  _tile_loadd(B, panels + (T) * panel_step, kBStride);   \
+  _tile_dpbf16ps(C0, 4, B);                              \
+  _tile_dpbf16ps(C1, 5, B);
+#define QKV_STORE_COLUMN(C0, C1, T)                      \
+  _tile_stored(C0, c + 16 * (T), cs);                    \
+  _tile_stored(C1, c + 16 * ldc + 16 * (T), cs);
+  // Column tile t into C tiles 0, 1 (t even) or 2, 3 (t odd); each pair stored after the other's products.
   int64_t t = 0;
   for (; t + 1 < n_tiles; t += 2) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(6, panels + t * panel_step, kBStride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 5, 6);
+    QKV_ONE_PASS_COLUMN(0, 1, 6, t)
     if (t > 0) {
-      _tile_stored(2, c + 16 * (t - 1), cs);
-      _tile_stored(3, c1 + 16 * (t - 1), cs);
+      QKV_STORE_COLUMN(2, 3, t - 1)
     }
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_loadd(7, panels + (t + 1) * panel_step, kBStride);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_stored(0, c + 16 * t, cs);
-    _tile_stored(1, c1 + 16 * t, cs);
+    QKV_ONE_PASS_COLUMN(2, 3, 7, t + 1)
+    QKV_STORE_COLUMN(0, 1, t)
   }
   if (t > 0) {
-    _tile_stored(2, c + 16 * (t - 1), cs);
-    _tile_stored(3, c1 + 16 * (t - 1), cs);
+    QKV_STORE_COLUMN(2, 3, t - 1)
   }
-  if (t < n_tiles) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(6, panels + t * panel_step, kBStride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 5, 6);
-    _tile_stored(0, c + 16 * t, cs);
-    _tile_stored(1, c1 + 16 * t, cs);
+  if (t < n_tiles) {  // an odd count: the last column tile
+    QKV_ONE_PASS_COLUMN(0, 1, 6, t)
+    QKV_STORE_COLUMN(0, 1, t)
   }
+#undef QKV_ONE_PASS_COLUMN
+#undef QKV_STORE_COLUMN
 }
 
 template <typename T>
