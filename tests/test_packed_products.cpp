@@ -3,6 +3,7 @@
 // not multiples of MR, NR; odd k for bfloat16 pairs), strided and transposed operands, alpha and
 // beta, and a C full of NaN that beta = 0 must not read. And its row operations (vector_math.h)
 // against the C library, on the instruction set QKV_TILED_ISA leaves (ctest runs them on each).
+#include "kernels/tiled/aligned_buffer.h"
 #include "kernels/tiled/blocks.h"
 #include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/packed_products.h"
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <limits>
 #include <random>
@@ -158,6 +160,31 @@ TEST(PackedProducts, LeadingPartsOfAPackedOperandMatchFloat64) {
     }
   }
   EXPECT_GE(cases, 2 * 4 * 4);
+}
+
+// Packed panels start on a cache line whatever size they are packed to (and re-packed to, as the
+// kernel reuses them): an AMX tile or AVX-512 row that straddles two lines made the products
+// about 3x slower (aligned_buffer.h). std::vector's 16-byte alignment would fail this for most sizes.
+TEST(PackedProducts, PanelsStartOnACacheLine) {
+  const auto on_a_line = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 64 == 0; };
+  std::mt19937 random(9);
+  std::normal_distribution<float> normal;
+  for (const auto& kind : runnable_kinds()) {
+    SCOPED_TRACE(describe(kind));
+    PackedRight packed;
+    for (const auto& [k, n] : std::vector<std::pair<int64_t, int64_t>>{{32, 256}, {3, 5}, {64, 32}, {200, 300}, {1, 1}}) {
+      std::vector<float> b(static_cast<size_t>(k * n));
+      for (auto& x : b) x = normal(random);
+      packed.pack(Strided<float>{b.data(), n, 1}, k, n, kind);
+      EXPECT_TRUE(on_a_line(kind.bf16 ? static_cast<const void*>(packed.bf16()) : packed.f32()))
+          << "packed " << k << " x " << n;
+    }
+    qkv::kernels::tiled::AlignedVector<uint16_t> scratch;
+    for (const size_t size : {1, 7, 100, 5000, 300000}) {
+      scratch.resize(size);
+      EXPECT_TRUE(on_a_line(scratch.data())) << size << " values";
+    }
+  }
 }
 
 // The default instruction set is the best the CPU runs, but on Intel CPUs with AVX512_BF16 and no

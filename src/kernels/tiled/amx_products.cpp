@@ -144,7 +144,7 @@ QKV_TARGET_AMX void copy_rows(const uint16_t* a, int64_t ars, int64_t first, int
 }
 
 template <typename T>
-LeftTiles left_tiles(Strided<T> a, int64_t m, int64_t k, int64_t padded_k, std::vector<uint16_t>& scratch) {
+LeftTiles left_tiles(Strided<T> a, int64_t m, int64_t k, int64_t padded_k, AlignedVector<uint16_t>& scratch) {
   const int64_t m_pad = round_up(m, kTileRows);
   LeftTiles tiles;
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -309,7 +309,7 @@ QKV_TARGET_AMX void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, 
   configure_tiles();
   const int64_t pairs = (k + 1) / 2, passes = (pairs + kPairsPerTile - 1) / kPairsPerTile;
   const int64_t padded_k = passes * kValuesPerTileRow;
-  thread_local std::vector<uint16_t> a_scratch, b_scratch;
+  thread_local AlignedVector<uint16_t> a_scratch, b_scratch;
   const LeftTiles left = left_tiles(a, m, k, padded_k, a_scratch);
   const int64_t panel_step = b.pair_depth() * 2 * 16;  // values from one column tile's panel to the next
   constexpr int64_t kRowValues = 2 * 16;                // one pair-row of a panel

@@ -11,6 +11,7 @@
 //
 // B = batch, H = query heads, Hkv = key/value heads, G = H / Hkv, N = query rows, S = keys,
 // D = head width, Dv = value width.
+#include "kernels/tiled/aligned_buffer.h"
 #include "kernels/tiled/blocks.h"
 #include "kernels/tiled/kernel.h"
 #include "kernels/tiled/vector_math.h"
@@ -79,12 +80,14 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
   const KeySplit split(p);
   const int64_t heads = p.B * p.Hkv;
   // With the keys split, each part's dQ is partial: summed over the parts after the tasks.
-  std::vector<acc_t> partial_grad_q;
+  AlignedVector<acc_t> partial_grad_q;
   if (split.parts() > 1) partial_grad_q.resize(static_cast<size_t>(heads * split.parts() * G * p.N * p.D));
   at::parallel_for(0, heads * split.parts(), tasks_per_chunk(p, p.groups() * p.N), [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas single_threaded;
-    std::vector<acc_t> recomputed(kRowsPerBlock * kScoresStride), grad_probabilities(kRowsPerBlock * kScoresStride),
-        dropped(kRowsPerBlock * kScoresStride), grad_k_block, grad_v_block, grad_q_all, delta;
+    // On cache lines (aligned_buffer.h): the blocks' tiles and vectors start on one.
+    AlignedVector<acc_t> recomputed(kRowsPerBlock * kScoresStride), grad_probabilities(kRowsPerBlock * kScoresStride),
+        dropped(kRowsPerBlock * kScoresStride), grad_k_block, grad_v_block, grad_q_all;
+    std::vector<acc_t> delta;
     std::vector<uint8_t> keep(kKeysPerBlock);
     const ProductKind kind = product_kind<scalar_t>();
     grad_k_block.resize(static_cast<size_t>(kKeysPerBlock * p.D));
@@ -100,12 +103,12 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
     // vdpbf16ps's right operands do: P and dS then go into those panels straight from the block's
     // one element-wise pass, and only Q and dO are transposed, once per query block (left operands
     // of padded_rows columns). The float32 products take Pᵀ and dSᵀ as strided left operands.
-    std::vector<std::vector<uint16_t>> queries_t(kind.bf16 ? G * row_blocks : 0),
+    std::vector<AlignedVector<uint16_t>> queries_t(kind.bf16 ? G * row_blocks : 0),
         grad_outputs_t(kind.bf16 ? G * row_blocks : 0);
     PackedRight weight_panels, grad_score_panels;
-    std::vector<uint16_t> grad_score_rows(kind.bf16 ? kRowsPerBlock * kKeysPerBlock : 0);
+    AlignedVector<uint16_t> grad_score_rows(kind.bf16 ? kRowsPerBlock * kKeysPerBlock : 0);
     std::vector<uint8_t> keep_block(kind.bf16 && p.dropout.active() ? kRowsPerBlock * kKeysPerBlock : 0);
-    std::vector<acc_t> keys_by_rows(kind.bf16 ? kKeysPerBlock * std::max(p.D, p.Dv) : 0);
+    AlignedVector<acc_t> keys_by_rows(kind.bf16 ? kKeysPerBlock * std::max(p.D, p.Dv) : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / split.parts(), part = task % split.parts();
       const int64_t kv_head = head % p.Hkv, b = head / p.Hkv;
@@ -150,7 +153,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
           }
           softmax_backward_block(block);
           // dVᵀ += dOᵀ (P ⊙ Z / (1 - p)); dKᵀ += Qᵀ dS; dQ += dS K (dK, dQ times the scale when written out)
-          const auto left = [&](const std::vector<uint16_t>& transposed) {
+          const auto left = [&](const AlignedVector<uint16_t>& transposed) {
             return Strided<c10::BFloat16>{reinterpret_cast<const c10::BFloat16*>(transposed.data()), padded_rows, 1};
           };
           multiply(left(grad_outputs_t[rows_index]), p.Dv, weight_panels, 1.0f, 1.0f, grad_v_block.data(),

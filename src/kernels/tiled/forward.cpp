@@ -6,6 +6,7 @@
 // blocks multiply in bfloat16 where the CPU has AVX512_BF16, else as float32, and accumulate in float32.
 //
 // B = batch, H = query heads, N = query rows, S = keys, D = head width, Dv = value width.
+#include "kernels/tiled/aligned_buffer.h"
 #include "kernels/tiled/blocks.h"
 #include "kernels/tiled/kernel.h"
 #include "kernels/tiled/vector_math.h"
@@ -71,14 +72,15 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
   at::parallel_for(0, tasks, tasks_per_chunk(p, std::min(p.N, kRowsPerBlock)), [&](int64_t begin, int64_t end) {
     const SingleThreadedBlas single_threaded;
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-    std::vector<acc_t> scores(kRowsPerBlock * kScoresStride), accumulator, row_max(kRowsPerBlock),
-        row_sum(kRowsPerBlock);
+    // On cache lines (aligned_buffer.h): the blocks' tiles and vectors start on one.
+    AlignedVector<acc_t> scores(kRowsPerBlock * kScoresStride), accumulator;
+    std::vector<acc_t> row_max(kRowsPerBlock), row_sum(kRowsPerBlock);
     std::vector<uint8_t> keep(kKeysPerBlock);
     accumulator.resize(static_cast<size_t>(kRowsPerBlock * p.Dv));
     // Where the block products multiply bfloat16, the weights of step 4 go straight from the
     // exponential into bfloat16 (unless they are kept for the backward or dropped out first).
     const bool bf16_weights = product_kind<scalar_t>().bf16 && probabilities == nullptr && !p.dropout.active();
-    std::vector<c10::BFloat16> weights(bf16_weights ? kRowsPerBlock * kKeysPerBlock : 0);
+    AlignedVector<c10::BFloat16> weights(bf16_weights ? kRowsPerBlock * kKeysPerBlock : 0);
     PackedHead<scalar_t> head;
     // A window's unaligned block, packed for one use (see below); kept here so that its storage is reused.
     RightOperand<scalar_t> narrow_keys, narrow_values;

@@ -301,7 +301,7 @@ QKV_TARGET_AVX512_BF16 void interleave_rows(const uint16_t* even, const uint16_t
 #endif
 
 template <typename T>
-Pairs pairs_of(Strided<T> a, int64_t m, int64_t k, std::vector<uint16_t>& scratch) {
+Pairs pairs_of(Strided<T> a, int64_t m, int64_t k, AlignedVector<uint16_t>& scratch) {
   const int64_t pairs = (k + 1) / 2;
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (a.col_stride == 1 && k % 2 == 0) return {reinterpret_cast<const uint16_t*>(a.data), a.row_stride, 2};
@@ -339,7 +339,7 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
   }
   if (b.kind().bf16) {
 #if defined(QKV_X86_64)
-    thread_local std::vector<uint16_t> scratch;
+    thread_local AlignedVector<uint16_t> scratch;
     // Pairs of B's rows: an odd k uses one more row of B, which A's zero after its k-th value cancels.
     const int64_t depth = b.pair_depth(), pairs = (k + 1) / 2;
     const Pairs a_pairs = pairs_of(a, m, k, scratch);
@@ -356,7 +356,7 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
   if constexpr (std::is_same_v<T, float>) {
     multiply_float(a.data, a.row_stride, a.col_stride, m, b, k, n, alpha, beta, c, ldc);
   } else {  // bfloat16 values on a float32 path: widened once
-    thread_local std::vector<float> scratch;
+    thread_local AlignedVector<float> scratch;
     scratch.resize(static_cast<size_t>(m * k));
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t p = 0; p < k; ++p) scratch[r * k + p] = as_float(a.data[r * a.row_stride + p * a.col_stride]);

@@ -10,6 +10,7 @@
 // one row of a B panel (NR contiguous values) and broadcasts one value of each of A's MR rows.
 #pragma once
 
+#include "kernels/tiled/aligned_buffer.h"
 #include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/vector_math.h"
 
@@ -65,8 +66,8 @@ class PackedRight {
 
   ProductKind kind_;
   int64_t k_ = 0, n_ = 0, panel_ = 0, depth_ = 0;
-  std::vector<float> f32_;
-  std::vector<uint16_t> bf16_;
+  AlignedVector<float> f32_;  // on cache lines: each panel row and AMX tile starts on one
+  AlignedVector<uint16_t> bf16_;
 };
 
 /// The part of a packed B a product uses: its first k rows and first n columns (-1: all of them).
