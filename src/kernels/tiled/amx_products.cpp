@@ -193,10 +193,22 @@ QKV_TARGET_AMX void block(const LeftTiles& a, int64_t i0, const uint16_t* panels
                           int64_t ldc) {
   constexpr int64_t kTileValues = kPairsPerTile * 2 * 16;  // one tile of B: 16 pairs × 16 columns × 2
   constexpr int64_t kBStride = 16 * 2 * sizeof(uint16_t);
-  _tile_zero(0);
-  if constexpr (CT == 2) _tile_zero(1);
-  if constexpr (RT == 2) _tile_zero(2);
-  if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+  const int64_t c_stride = ldc * static_cast<int64_t>(sizeof(float));
+  // Whole tiles of C that take the sums as they are (alpha = 1) are multiplied into where they lie:
+  // loaded first where beta = 1 (the kernel's accumulators), stored at the end.
+  const bool whole = rows >= 16 * RT && cols >= 16 * CT && alpha == 1.0f;
+  const bool accumulate_in_place = whole && beta == 1.0f;
+  if (accumulate_in_place) {
+    _tile_loadd(0, c, c_stride);
+    if constexpr (CT == 2) _tile_loadd(1, c + 16, c_stride);
+    if constexpr (RT == 2) _tile_loadd(2, c + 16 * ldc, c_stride);
+    if constexpr (RT == 2 && CT == 2) _tile_loadd(3, c + 16 * ldc + 16, c_stride);
+  } else {
+    _tile_zero(0);
+    if constexpr (CT == 2) _tile_zero(1);
+    if constexpr (RT == 2) _tile_zero(2);
+    if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+  }
   int64_t a0_stride = 0, a1_stride = 0;
   const uint16_t* a0 = a.tile(i0, a0_stride);
   const uint16_t* a1 = RT == 2 ? a.tile(i0 + 16, a1_stride) : nullptr;
@@ -213,11 +225,9 @@ QKV_TARGET_AMX void block(const LeftTiles& a, int64_t i0, const uint16_t* panels
     if constexpr (RT == 2) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RT == 2 && CT == 2) _tile_dpbf16ps(3, 5, 7);
   }
-  // Whole tiles of C that take the sums as they are (alpha = 1, beta = 0: the kernel's scores and
-  // dP) are stored into C directly; C's rows must then not lie a multiple of 1 KiB apart (measured
-  // 10% slower where they did: kernel.h, kScoresStride).
-  const int64_t c_stride = ldc * static_cast<int64_t>(sizeof(float));
-  if (alpha == 1.0f && beta == 0.0f && rows >= 16 * RT && cols >= 16 * CT) {
+  // C's rows should then not lie a multiple of 1 KiB apart (the stores measured 10% slower where
+  // they did: kernel.h, kScoresStride).
+  if (accumulate_in_place || (whole && beta == 0.0f)) {
     _tile_stored(0, c, c_stride);
     if constexpr (CT == 2) _tile_stored(1, c + 16, c_stride);
     if constexpr (RT == 2) _tile_stored(2, c + 16 * ldc, c_stride);

@@ -90,8 +90,11 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
     std::vector<acc_t> delta;
     std::vector<uint8_t> keep(kKeysPerBlock);
     const ProductKind kind = product_kind<scalar_t>();
-    grad_k_block.resize(static_cast<size_t>(kKeysPerBlock * p.D));
-    grad_v_block.resize(static_cast<size_t>(kKeysPerBlock * p.Dv));
+    // bfloat16's dKᵀ and dVᵀ (below) keep their rows kScoresStride apart: AMX accumulates them in
+    // place, and tile rows 1 KiB apart fall on the same few sets of the L1 cache.
+    const int64_t transposed_stride = kScoresStride;
+    grad_k_block.resize(static_cast<size_t>(transposed_stride * p.D));
+    grad_v_block.resize(static_cast<size_t>(transposed_stride * p.Dv));
     // The key block's Kᵀ, Vᵀ and K as right operands, and each query block's Q and dO (packed on
     // first use, then reused by every key block of the task).
     RightOperand<scalar_t> keys_transposed, values_transposed, keys;
@@ -157,8 +160,8 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
             return Strided<c10::BFloat16>{reinterpret_cast<const c10::BFloat16*>(transposed.data()), padded_rows, 1};
           };
           multiply(left(grad_outputs_t[rows_index]), p.Dv, weight_panels, 1.0f, 1.0f, grad_v_block.data(),
-                   kKeysPerBlock);
-          multiply(left(queries_t[rows_index]), p.D, grad_score_panels, 1.0f, 1.0f, grad_k_block.data(), kKeysPerBlock);
+                   transposed_stride);
+          multiply(left(queries_t[rows_index]), p.D, grad_score_panels, 1.0f, 1.0f, grad_k_block.data(), transposed_stride);
           keys.multiply_into(Strided<c10::BFloat16>{reinterpret_cast<const c10::BFloat16*>(grad_score_rows.data()),
                                                     kKeysPerBlock, 1},
                              rows, 1.0f, 1.0f, grad_q_rows + (g * p.N + i0) * p.D, p.D, Leading{seen, -1});
@@ -300,11 +303,11 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
         }
         if constexpr (std::is_same_v<acc_t, float>) {
           if (kind.bf16) {  // dKᵀ, dVᵀ back to rows of keys
-            transpose(grad_k_block.data(), kKeysPerBlock, p.D, cols, keys_by_rows.data(), p.D);
+            transpose(grad_k_block.data(), transposed_stride, p.D, cols, keys_by_rows.data(), p.D);
             for (int64_t c = 0; c < cols; ++c) {
               write_scaled(keys_by_rows.data() + c * p.D, p.D, p.scale, grads.k.rows(b, kv_head, j0 + c));
             }
-            transpose(grad_v_block.data(), kKeysPerBlock, p.Dv, cols, keys_by_rows.data(), p.Dv);
+            transpose(grad_v_block.data(), transposed_stride, p.Dv, cols, keys_by_rows.data(), p.Dv);
             for (int64_t c = 0; c < cols; ++c) {
               write_scaled(keys_by_rows.data() + c * p.Dv, p.Dv, acc_t(1), grads.v.rows(b, kv_head, j0 + c));
             }
