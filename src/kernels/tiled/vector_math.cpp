@@ -305,53 +305,60 @@ QKV_TARGET_BF16 inline __m512i rounded_pairs(__m512 even, __m512 odd) {
   return tiled::interleave_halves((__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
-// One row of a block's pass: where its inputs and outputs lie, and its L and D broadcast.
+// One row of a block's pass: where its inputs and outputs lie, its L and D broadcast, and its lanes:
+// `present` none for the missing odd row of an odd count (nothing of it is written), `live` none
+// for that row and for a row with no key, whose P and dS are 0.
 struct BlockRow {
   const float *scores, *grad_probabilities;
   const uint8_t* keep;
   uint16_t* grad_score_row;
   float* grad_scores_float;
   __m512 lse, delta;
-  bool exponentiate, dead;
+  __mmask16 present, live;
 };
 
 // P ⊙ Z / (1 - p) into `weight` and dS into `grad_score` for 16 columns of a row (lanes: those
 // inside n), dS also out to the row's float32 output where there is one (its bfloat16 row is
-// written by the caller, from the rounding that also makes the panel's pairs).
+// written by the caller, from the rounding that also makes the panel's pairs). The block's choices
+// (exponentiate or read P, dropout, a float32 dS) are template arguments: one loop each, with no
+// test per column.
+template <bool kExponentiate, bool kKeep, bool kFloatOut>
 QKV_TARGET_BF16 inline void block_row_step(const BlockRow& row, int64_t j0, __mmask16 lanes, __m512 factor,
                                            __m512 keep_scale, __m512& weight, __m512& grad_score) {
+  const __mmask16 written = lanes & row.present;
+  lanes &= row.live;
   __m512 p;
-  if (!row.exponentiate) {
-    p = _mm512_maskz_loadu_ps(lanes, row.scores + j0);
-  } else if (row.dead) {
-    p = _mm512_setzero_ps();
-  } else {
+  if constexpr (kExponentiate) {
     p = exp_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, row.scores + j0), factor, row.lse), lanes);
+  } else {
+    p = _mm512_maskz_loadu_ps(lanes, row.scores + j0);
   }
   __m512 dp = _mm512_maskz_loadu_ps(lanes, row.grad_probabilities + j0);
   weight = p;
-  if (row.keep != nullptr) {
+  if constexpr (kKeep) {
     const __mmask16 kept = _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, row.keep + j0), _mm_setzero_si128());
     weight = _mm512_maskz_mul_ps(kept, p, keep_scale);
     dp = _mm512_maskz_mul_ps(kept, dp, keep_scale);
   }
   grad_score = _mm512_maskz_mul_ps(lanes, p, _mm512_sub_ps(dp, row.delta));
-  if (row.grad_scores_float != nullptr) _mm512_mask_storeu_ps(row.grad_scores_float + j0, lanes, grad_score);
+  if constexpr (kFloatOut) _mm512_mask_storeu_ps(row.grad_scores_float + j0, written, grad_score);
 }
 
-QKV_TARGET_BF16 inline BlockRow block_row(const GradScoresBlock& g, int64_t r) {
+QKV_TARGET_BF16 inline BlockRow block_row(const GradScoresBlock& g, int64_t r, bool present) {
+  const bool dead = g.lse != nullptr && g.lse[r] == std::numeric_limits<float>::infinity();
   return BlockRow{g.scores + r * g.scores_stride,
                   g.grad_probabilities + r * g.grad_probabilities_stride,
                   g.keep != nullptr ? g.keep + r * g.keep_stride : nullptr,
                   g.grad_score_rows + r * g.grad_score_rows_stride,
                   g.grad_scores_float != nullptr ? g.grad_scores_float + r * g.grad_scores_float_stride : nullptr,
-                  _mm512_set1_ps(g.lse != nullptr ? g.lse[r] : 0.0f),
+                  _mm512_set1_ps(g.lse != nullptr && !dead ? g.lse[r] : 0.0f),
                   _mm512_set1_ps(g.delta[r]),
-                  g.lse != nullptr,
-                  g.lse != nullptr && g.lse[r] == std::numeric_limits<float>::infinity()};
+                  static_cast<__mmask16>(present ? 0xFFFF : 0),
+                  static_cast<__mmask16>(present && !dead ? 0xFFFF : 0)};
 }
 
-QKV_TARGET_BF16 void softmax_backward_block_avx512(const GradScoresBlock& g) {
+template <bool kExponentiate, bool kKeep, bool kFloatOut>
+QKV_TARGET_BF16 void softmax_backward_pairs(const GradScoresBlock& g) {
   // Locals, not g's fields: the stores below could alias them as far as the compiler knows.
   const int64_t rows = g.rows, n = g.n, width = g.weights.width, depth = g.weights.depth;
   const int64_t panel_values = depth * 2 * width, panels = (n + width - 1) / width;
@@ -373,32 +380,42 @@ QKV_TARGET_BF16 void softmax_backward_block_avx512(const GradScoresBlock& g) {
       }
       continue;
     }
-    const BlockRow even = block_row(g, r);
+    // An odd count's last row pairs with nothing: the even row stands in, with no lanes (zeros
+    // into the panels, nothing written to its rows).
     const bool has_odd = r + 1 < rows;
-    const BlockRow odd = has_odd ? block_row(g, r + 1) : even;
+    const BlockRow even = block_row(g, r, true), odd = block_row(g, has_odd ? r + 1 : r, has_odd);
     for (int64_t jp = 0; jp < panels; ++jp) {
       for (int64_t half = 0; half < width; half += 16) {
         const int64_t j0 = jp * width + half;
         const __mmask16 lanes = tail_lanes(n - j0);
-        __m512 w0 = _mm512_setzero_ps(), w1 = w0, ds0 = w0, ds1 = w0;
-        if (lanes != 0) {
-          block_row_step(even, j0, lanes, factor, keep_scale, w0, ds0);
-          if (has_odd) block_row_step(odd, j0, lanes, factor, keep_scale, w1, ds1);
-        }
+        __m512 w0, w1, ds0, ds1;
+        block_row_step<kExponentiate, kKeep, kFloatOut>(even, j0, lanes, factor, keep_scale, w0, ds0);
+        block_row_step<kExponentiate, kKeep, kFloatOut>(odd, j0, lanes, factor, keep_scale, w1, ds1);
         _mm512_storeu_si512(weight_pairs + jp * panel_values + 2 * half, rounded_pairs(w0, w1));
         // dS of both rows rounded once: the even row's 16 values in the low half, the odd row's in
         // the high half, as the rows take them; interleaved, as the panel takes them.
         const __m512i grad_scores = (__m512i)_mm512_cvtne2ps_pbh(ds1, ds0);
         _mm512_storeu_si512(grad_score_pairs + jp * panel_values + 2 * half, tiled::interleave_halves(grad_scores));
-        if (lanes != 0) {
-          _mm256_mask_storeu_epi16(even.grad_score_row + j0, lanes, _mm512_castsi512_si256(grad_scores));
-          if (has_odd) {
-            _mm256_mask_storeu_epi16(odd.grad_score_row + j0, lanes, _mm512_extracti64x4_epi64(grad_scores, 1));
-          }
-        }
+        _mm256_mask_storeu_epi16(even.grad_score_row + j0, lanes, _mm512_castsi512_si256(grad_scores));
+        _mm256_mask_storeu_epi16(odd.grad_score_row + j0, lanes & odd.present, _mm512_extracti64x4_epi64(grad_scores, 1));
       }
     }
   }
+}
+
+QKV_TARGET_BF16 void softmax_backward_block_avx512(const GradScoresBlock& g) {
+  const bool exponentiate = g.lse != nullptr, keep = g.keep != nullptr, float_out = g.grad_scores_float != nullptr;
+#define QKV_SOFTMAX_BACKWARD_CASE(E, K, F) \
+  if (exponentiate == (E) && keep == (K) && float_out == (F)) return softmax_backward_pairs<E, K, F>(g);
+  QKV_SOFTMAX_BACKWARD_CASE(true, false, false)
+  QKV_SOFTMAX_BACKWARD_CASE(true, true, false)
+  QKV_SOFTMAX_BACKWARD_CASE(true, false, true)
+  QKV_SOFTMAX_BACKWARD_CASE(true, true, true)
+  QKV_SOFTMAX_BACKWARD_CASE(false, false, false)
+  QKV_SOFTMAX_BACKWARD_CASE(false, true, false)
+  QKV_SOFTMAX_BACKWARD_CASE(false, false, true)
+  QKV_SOFTMAX_BACKWARD_CASE(false, true, true)
+#undef QKV_SOFTMAX_BACKWARD_CASE
 }
 
 QKV_TARGET_BF16 void transpose_bf16_avx512(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols,
