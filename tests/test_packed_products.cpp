@@ -179,11 +179,25 @@ TEST(PackedProducts, PanelsStartOnACacheLine) {
       EXPECT_TRUE(on_a_line(kind.bf16 ? static_cast<const void*>(packed.bf16()) : packed.f32()))
           << "packed " << k << " x " << n;
     }
-    qkv::kernels::tiled::AlignedVector<uint16_t> scratch;
-    for (const size_t size : {1, 7, 100, 5000, 300000}) {
-      scratch.resize(size);
-      EXPECT_TRUE(on_a_line(scratch.data())) << size << " values";
+  }
+  // The kernel's scratch: aligned at every size it grows or shrinks to, as a std::vector would
+  // behave otherwise (values kept, new ones zero), and so are its copies.
+  qkv::kernels::tiled::AlignedVector<uint16_t> scratch;
+  size_t previous = 0;
+  for (const size_t size : {1, 7, 100, 5000, 300000, 20, 4000}) {
+    scratch.resize(size);
+    ASSERT_TRUE(on_a_line(scratch.data())) << size << " values";
+    ASSERT_EQ(scratch.size(), size);
+    for (size_t i = 0; i < size; ++i) {
+      // values written before are kept; elements new to this size are zero
+      const uint16_t expected = i < previous ? static_cast<uint16_t>(i * 7 + 1) : 0;
+      ASSERT_EQ(scratch[i], expected) << "element " << i << " after resizing to " << size;
     }
+    for (size_t i = 0; i < size; ++i) scratch[i] = static_cast<uint16_t>(i * 7 + 1);
+    previous = size;
+    const auto copy = scratch;
+    ASSERT_TRUE(on_a_line(copy.data()));
+    ASSERT_TRUE(std::equal(copy.begin(), copy.end(), scratch.begin(), scratch.end()));
   }
 }
 
