@@ -58,7 +58,6 @@ class AlignedVector {
   T* data() { return storage_.data() + offset_; }
   const T* data() const { return storage_.data() + offset_; }
   std::size_t size() const { return size_; }
-  bool empty() const { return size_ == 0; }
   T* begin() { return data(); }
   T* end() { return data() + size_; }
   const T* begin() const { return data(); }

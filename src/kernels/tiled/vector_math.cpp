@@ -32,6 +32,9 @@ namespace qkv::kernels {
 
 namespace {
 
+// log2(e): every exponential here is 2^(v · log2(e)).
+constexpr float kLog2e = 1.44269504088896341f;
+
 float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift);
 
 // Whether the row operations take their AVX-512 versions (the instruction set the kernel's
@@ -49,7 +52,7 @@ __attribute__((target("avx512f"))) inline __mmask16 tail_lanes(int64_t left) {
 // passes through every step by itself. No clamping: vscalefps gives infinity for a large k by
 // itself, and the lanes below -87 (-inf's among them, whose r is NaN) are set to 0 at the end.
 __attribute__((target("avx512f"))) inline __m512 exp_of(__m512 v, __mmask16 lanes) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_high = _mm512_set1_ps(0.693359375f),
+  const __m512 log2e = _mm512_set1_ps(kLog2e), ln2_high = _mm512_set1_ps(0.693359375f),
                ln2_low = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.0f);
   const __mmask16 underflow = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);  // -inf included
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -72,9 +75,8 @@ __attribute__((target("avx512f"))) inline __m512 exp_of(__m512 v, __mmask16 lane
 // float32), 2^floor(x) by vscalefps, which floors its exponent itself. 7 instructions where exp_of
 // takes 16. Lanes below x = -87 · log2(e) (v = -87, and -inf) are 0, as in exp_of; a NaN stays NaN.
 // Needs AVX512DQ (vreduceps), which every CPU with AVX512_BF16 has (cpu_features.cpp).
-constexpr float kLog2eForBf16 = 1.44269504088896341f;
 __attribute__((target("avx512f,avx512dq"))) inline __m512 exp2_for_bf16(__m512 x, __mmask16 lanes) {
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f * kLog2eForBf16), _CMP_LT_OQ);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f * kLog2e), _CMP_LT_OQ);
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // x - floor(x)
   __m512 p = _mm512_set1_ps(0.013534074649214745f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05201144143939018f));
@@ -99,7 +101,7 @@ __attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_
 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float exp_shifted_sum_to_bf16_avx512(
     const float* x, int64_t n, float factor, float shift, uint16_t* out, float* largest) {
   // exp(factor · x - shift) = 2^(x · factor · log2(e) - shift · log2(e))
-  const __m512 factor_v = _mm512_set1_ps(factor * kLog2eForBf16), shift_v = _mm512_set1_ps(shift * kLog2eForBf16);
+  const __m512 factor_v = _mm512_set1_ps(factor * kLog2e), shift_v = _mm512_set1_ps(shift * kLog2e);
   __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = tail_lanes(n - i);
@@ -164,7 +166,7 @@ namespace {
 QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift) {
   // exp(v) = 2^k · exp(r), k = round(v / ln 2), r = v - k ln 2 in [-ln2/2, ln2/2]; exp(r) by the
   // minimax polynomial of Cephes' expf; 2^k by writing k into the exponent bits.
-  constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+  constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
   constexpr float kRound = 12582912.0f;  // 1.5 · 2^23: adding and subtracting it rounds to an integer
   for (int64_t i = 0; i < n; ++i) {
     const float v = factor * x[i] - shift;  // one fused multiply-add where the clone has FMA
@@ -354,7 +356,7 @@ QKV_TARGET_BF16 inline BlockRow block_row(const GradScoresBlock& g, int64_t r, b
                   g.keep != nullptr ? g.keep + r * g.keep_stride : nullptr,
                   g.grad_score_rows + r * g.grad_score_rows_stride,
                   g.grad_scores_float != nullptr ? g.grad_scores_float + r * g.grad_scores_float_stride : nullptr,
-                  _mm512_set1_ps(g.lse != nullptr && !dead ? g.lse[r] * kLog2eForBf16 : 0.0f),  // base 2
+                  _mm512_set1_ps(g.lse != nullptr && !dead ? g.lse[r] * kLog2e : 0.0f),  // base 2
                   _mm512_set1_ps(g.delta[r]),
                   static_cast<__mmask16>(present ? 0xFFFF : 0),
                   static_cast<__mmask16>(present && !dead ? 0xFFFF : 0)};
@@ -368,7 +370,7 @@ QKV_TARGET_BF16 void softmax_backward_pairs(const GradScoresBlock& g) {
   uint16_t* const weight_panels = g.weights.data;
   uint16_t* const grad_score_panels = g.grad_scores.data;
   // P = exp(factor · S - L) = 2^(S · factor · log2(e) - L · log2(e)) (block_row takes L to base 2)
-  const __m512 factor = _mm512_set1_ps(g.factor * kLog2eForBf16), keep_scale = _mm512_set1_ps(g.keep_scale);
+  const __m512 factor = _mm512_set1_ps(g.factor * kLog2e), keep_scale = _mm512_set1_ps(g.keep_scale);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t t = 0; t < depth; ++t) {
     // Pair t's 16 pairs of columns j0 ... lie at panel (j0 / width), offset t · 2 · width + (j0 % width) · 2.
@@ -408,18 +410,14 @@ QKV_TARGET_BF16 void softmax_backward_pairs(const GradScoresBlock& g) {
 }
 
 QKV_TARGET_BF16 void softmax_backward_block_avx512(const GradScoresBlock& g) {
-  const bool exponentiate = g.lse != nullptr, keep = g.keep != nullptr, float_out = g.grad_scores_float != nullptr;
-#define QKV_SOFTMAX_BACKWARD_CASE(E, K, F) \
-  if (exponentiate == (E) && keep == (K) && float_out == (F)) return softmax_backward_pairs<E, K, F>(g);
-  QKV_SOFTMAX_BACKWARD_CASE(true, false, false)
-  QKV_SOFTMAX_BACKWARD_CASE(true, true, false)
-  QKV_SOFTMAX_BACKWARD_CASE(true, false, true)
-  QKV_SOFTMAX_BACKWARD_CASE(true, true, true)
-  QKV_SOFTMAX_BACKWARD_CASE(false, false, false)
-  QKV_SOFTMAX_BACKWARD_CASE(false, true, false)
-  QKV_SOFTMAX_BACKWARD_CASE(false, false, true)
-  QKV_SOFTMAX_BACKWARD_CASE(false, true, true)
-#undef QKV_SOFTMAX_BACKWARD_CASE
+  using Pass = void (*)(const GradScoresBlock&);
+  // [exponentiate][dropout][float32 dS]
+  static constexpr Pass kPasses[2][2][2] = {
+      {{softmax_backward_pairs<false, false, false>, softmax_backward_pairs<false, false, true>},
+       {softmax_backward_pairs<false, true, false>, softmax_backward_pairs<false, true, true>}},
+      {{softmax_backward_pairs<true, false, false>, softmax_backward_pairs<true, false, true>},
+       {softmax_backward_pairs<true, true, false>, softmax_backward_pairs<true, true, true>}}};
+  kPasses[g.lse != nullptr][g.keep != nullptr][g.grad_scores_float != nullptr](g);
 }
 
 QKV_TARGET_BF16 void transpose_bf16_avx512(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols,
