@@ -74,17 +74,30 @@ std::string blas_core() {
 
 std::string blas_core_advice() {
   const std::string core = blas_core();
+  const ProductIsa isa = detected_isa();
+  const std::string flags = cpu_flags();
+  const bool avx512_kernels_run = at_least(isa, ProductIsa::Avx512) && flags.find("avx512dq") != std::string::npos;
+  const char* avx512_core = at_least(isa, ProductIsa::Avx512Bf16) ? "COOPERLAKE" : "SKYLAKEX";
   // OpenBLAS's fallbacks for a CPU it does not know: its oldest x86-64 cores, SSE3 at most.
   const bool generic = core == "Prescott" || core == "Core2" || core == "Penryn" || core == "Dunnington" ||
                        core == "Nehalem" || core == "Atom" || core == "Barcelona" || core == "Opteron";
-  const ProductIsa isa = detected_isa();
-  if (!generic || !at_least(isa, ProductIsa::Avx2)) return "";
-  const char* suggested = at_least(isa, ProductIsa::Avx512Bf16) ? "COOPERLAKE"
-                          : at_least(isa, ProductIsa::Avx512) ? "SKYLAKEX"
-                                                              : "HASWELL";
-  return "OpenBLAS runs its generic '" + core + "' kernels on this CPU (" + cpu_flags() +
-         "), which it does not recognise: LibTorch's float32 matrix products are several times slower "
-         "than they could be; run with OPENBLAS_CORETYPE=" + suggested;
+  if (generic && at_least(isa, ProductIsa::Avx2)) {
+    const char* suggested = avx512_kernels_run ? avx512_core : "HASWELL";
+    return "OpenBLAS runs its generic '" + core + "' kernels on this CPU (" + flags +
+           "), which it does not recognise: LibTorch's float32 matrix products are several times slower "
+           "than they could be; run with OPENBLAS_CORETYPE=" + suggested;
+  }
+  // Its AVX2 cores on a CPU with AVX-512 (F, BW, VL and DQ, which its SkylakeX kernels use): the
+  // OpenBLAS of Debian 12 (0.3.21), 13 (0.3.29) and unstable (0.3.34) take an AMD EPYC of family 26 (Zen 5) for a
+  // Haswell, where its COOPERLAKE kernels multiply 2048² float32 matrices at 1.8× the rate of its
+  // Haswell ones (347 against 190 GFLOP/s, 2 threads, 2026-12-02, docs/PERFORMANCE.md).
+  const bool avx2_core = core == "Haswell" || core == "Zen" || core == "SandyBridge";
+  if (avx2_core && avx512_kernels_run) {
+    return "OpenBLAS runs its AVX2 '" + core + "' kernels on this CPU (" + flags +
+           "), which has AVX-512: LibTorch's float32 matrix products may be faster with its AVX-512 kernels "
+           "(1.8x on an AMD Zen 5); run with OPENBLAS_CORETYPE=" + avx512_core;
+  }
+  return "";
 }
 
 SingleThreadedBlas::SingleThreadedBlas() {
