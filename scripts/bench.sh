@@ -30,17 +30,16 @@ done
 build_dir=${QKV_BUILD_DIR:-$root/build}
 [[ -n "${QKV_SKIP_BUILD:-}" ]] || "$root/scripts/build.sh" qkv-bench > /dev/null
 bench="$build_dir/apps/qkv-bench"
-# OpenBLAS takes some CPUs for older ones: Debian 12's runs its generic kernels on an Intel Xeon of
-# the Emerald Rapids generation, and Debian 12's, 13's and unstable's run their AVX2 (Haswell)
-# kernels on an AMD Zen 5, which has AVX-512. That sets the speed of LibTorch's float32 products on
-# both sides of the comparison; qkv-bench says which OPENBLAS_CORETYPE fits, and it is set for every
-# side, the chroots included (unless already set).
-if [[ -z "${OPENBLAS_CORETYPE:-}" ]]; then
-  coretype=$("$build_dir/apps/qkv-bench" --blas-advice | grep -o 'OPENBLAS_CORETYPE=[A-Z0-9]*' | cut -d= -f2 || true)
-  if [[ -n "$coretype" ]]; then
-    export OPENBLAS_CORETYPE=$coretype
-    echo "bench: OpenBLAS does not run its best kernels on this CPU by itself: OPENBLAS_CORETYPE=$coretype for every side" >&2
-  fi
+# OpenBLAS may run kernels below the CPU's: Debian 12's takes an Intel Xeon of the Emerald Rapids
+# generation for an old CPU and runs its generic kernels, and an OPENBLAS_CORETYPE in the
+# environment may name an older core than the CPU's (Haswell, AVX2, on an AMD Zen 5 with AVX-512:
+# 1.8x slower). That sets the speed of LibTorch's float32 products on both sides of the comparison;
+# qkv-bench says which OPENBLAS_CORETYPE fits, and it is set for every side, the chroots included,
+# in place of the environment's.
+coretype=$("$build_dir/apps/qkv-bench" --blas-advice | grep -o 'run with OPENBLAS_CORETYPE=[A-Z0-9]*' | cut -d= -f2 || true)
+if [[ -n "$coretype" ]]; then
+  echo "bench: OpenBLAS would run kernels below this CPU's${OPENBLAS_CORETYPE:+ (OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE in the environment)}: OPENBLAS_CORETYPE=$coretype for every side" >&2
+  export OPENBLAS_CORETYPE=$coretype
 fi
 raw=$(mktemp -d)
 trap 'rm -rf "$raw"' EXIT

@@ -49,7 +49,7 @@ TEST(BenchApp, ListsTheCasesOfTheSharedCaseFileAndRefusesBadFlags) {
 
 // OpenBLAS's own generic kernels forced (OPENBLAS_CORETYPE=PRESCOTT, what it falls back to for a
 // CPU it does not know) on a CPU with AVX2 or more: qkv-bench says so and names a core type that
-// fits; so it does for OpenBLAS's AVX2 kernels (HASWELL, what OpenBLAS picks for an AMD Zen 5) on a
+// fits; so it does for OpenBLAS's AVX2 kernels (HASWELL, which an environment had forced on an AMD Zen 5) on a
 // CPU with AVX-512; with the core type that fits the CPU's flags, it says nothing. The context
 // reports the core either way.
 TEST(BenchApp, SaysWhenOpenBlasRunsKernelsBelowTheCpu) {

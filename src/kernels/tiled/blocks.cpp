@@ -1,5 +1,7 @@
 #include "kernels/tiled/blocks.h"
 
+#include <cstdlib>
+
 #if defined(QKV_HAVE_CBLAS)
 #include <cblas.h>
 #endif
@@ -81,23 +83,27 @@ std::string blas_core_advice() {
   // OpenBLAS's fallbacks for a CPU it does not know: its oldest x86-64 cores, SSE3 at most.
   const bool generic = core == "Prescott" || core == "Core2" || core == "Penryn" || core == "Dunnington" ||
                        core == "Nehalem" || core == "Atom" || core == "Barcelona" || core == "Opteron";
-  if (generic && at_least(isa, ProductIsa::Avx2)) {
-    const char* suggested = avx512_kernels_run ? avx512_core : "HASWELL";
-    return "OpenBLAS runs its generic '" + core + "' kernels on this CPU (" + flags +
-           "), which it does not recognise: LibTorch's float32 matrix products are several times slower "
-           "than they could be; run with OPENBLAS_CORETYPE=" + suggested;
-  }
-  // Its AVX2 cores on a CPU with AVX-512 (F, BW, VL and DQ, which its SkylakeX kernels use): the
-  // OpenBLAS of Debian 12 (0.3.21), 13 (0.3.29) and unstable (0.3.34) take an AMD EPYC of family 26 (Zen 5) for a
-  // Haswell, where its COOPERLAKE kernels multiply 2048² float32 matrices at 1.8× the rate of its
-  // Haswell ones (347 against 190 GFLOP/s, 2 threads, 2026-12-02, docs/PERFORMANCE.md).
+  // Its AVX2 cores on a CPU with AVX-512 (F, BW, VL and DQ, which its SkylakeX kernels use).
   const bool avx2_core = core == "Haswell" || core == "Zen" || core == "SandyBridge";
-  if (avx2_core && avx512_kernels_run) {
-    return "OpenBLAS runs its AVX2 '" + core + "' kernels on this CPU (" + flags +
-           "), which has AVX-512: LibTorch's float32 matrix products may be faster with its AVX-512 kernels "
-           "(1.8x on an AMD Zen 5); run with OPENBLAS_CORETYPE=" + avx512_core;
-  }
-  return "";
+  const bool below_generic = generic && at_least(isa, ProductIsa::Avx2);
+  const bool below_avx512 = avx2_core && avx512_kernels_run;
+  if (!below_generic && !below_avx512) return "";
+  const char* suggested = avx512_kernels_run ? avx512_core : "HASWELL";
+  // A core type the environment forces: the machines qkv is developed on have had
+  // OPENBLAS_CORETYPE=Haswell set for every process on an AMD EPYC of family 26 (Zen 5), where
+  // OpenBLAS by itself picks its Cooper Lake kernels, which multiply 2048² float32 matrices at
+  // 1.8× the rate (347 against 190 GFLOP/s, 2 threads, 2026-12-02, docs/PERFORMANCE.md).
+  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+  const bool forced = coretype != nullptr && *coretype != '\0';
+  const std::string cause =
+      forced ? "OPENBLAS_CORETYPE=" + std::string(coretype) + " in the environment makes OpenBLAS run" : "OpenBLAS runs";
+  const std::string kernels = below_generic ? "its generic '" + core + "' kernels" : "its AVX2 '" + core + "' kernels";
+  const std::string why = below_generic ? (forced ? "" : ", which it does not recognise") : ", which has AVX-512";
+  const std::string effect = below_generic ? "LibTorch's float32 matrix products are several times slower than they could be"
+                                           : "LibTorch's float32 matrix products may be faster with its AVX-512 kernels "
+                                             "(1.8x on an AMD Zen 5)";
+  return cause + " " + kernels + " on this CPU (" + flags + ")" + why + ": " + effect + "; run with OPENBLAS_CORETYPE=" +
+         suggested;
 }
 
 SingleThreadedBlas::SingleThreadedBlas() {
