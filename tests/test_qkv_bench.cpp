@@ -54,8 +54,8 @@ TEST(BenchApp, ListsTheCasesOfTheSharedCaseFileAndRefusesBadFlags) {
 // reports the core either way.
 TEST(BenchApp, SaysWhenOpenBlasRunsKernelsBelowTheCpu) {
   auto advice_for = [](const std::string& coretype) {
-    auto run = qkv_test::run_command("OPENBLAS_CORETYPE=" + coretype + " " + std::string(QKV_BENCH_PATH) +
-                                     " --blas-advice");
+    auto run =
+        qkv_test::run_command("OPENBLAS_CORETYPE=" + coretype + " " + std::string(QKV_BENCH_PATH) + " --blas-advice");
     EXPECT_EQ(run.exit_code, 0) << run.output;
     return run.output;
   };

@@ -33,8 +33,8 @@ void loop_gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t
 
 }  // namespace
 
-void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
 #if defined(QKV_HAVE_CBLAS)
   cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans,
@@ -96,14 +96,16 @@ std::string blas_core_advice() {
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
   const bool forced = coretype != nullptr && *coretype != '\0';
   const std::string cause =
-      forced ? "OPENBLAS_CORETYPE=" + std::string(coretype) + " in the environment makes OpenBLAS run" : "OpenBLAS runs";
+      forced ? "OPENBLAS_CORETYPE=" + std::string(coretype) + " in the environment makes OpenBLAS run"
+             : "OpenBLAS runs";
   const std::string kernels = below_generic ? "its generic '" + core + "' kernels" : "its AVX2 '" + core + "' kernels";
   const std::string why = below_generic ? (forced ? "" : ", which it does not recognise") : ", which has AVX-512";
-  const std::string effect = below_generic ? "LibTorch's float32 matrix products are several times slower than they could be"
-                                           : "LibTorch's float32 matrix products may be faster with its AVX-512 kernels "
-                                             "(1.8x on an AMD Zen 5)";
-  return cause + " " + kernels + " on this CPU (" + flags + ")" + why + ": " + effect + "; run with OPENBLAS_CORETYPE=" +
-         suggested;
+  const std::string effect = below_generic
+                                 ? "LibTorch's float32 matrix products are several times slower than they could be"
+                                 : "LibTorch's float32 matrix products may be faster with its AVX-512 kernels "
+                                   "(1.8x on an AMD Zen 5)";
+  return cause + " " + kernels + " on this CPU (" + flags + ")" + why + ": " + effect +
+         "; run with OPENBLAS_CORETYPE=" + suggested;
 }
 
 SingleThreadedBlas::SingleThreadedBlas() {
