@@ -37,6 +37,16 @@ if [[ -n "$coretype" ]]; then
   export OPENBLAS_CORETYPE=$coretype
 fi
 
+# qkv-train keeps freed memory in the heap for the next step (glibc's mmap threshold at 32 MiB,
+# apps/common/cli_support.h: without it, page faults took a fifth of the float32 step on an AMD
+# EPYC VM); the PyTorch side gets the same setting through glibc's tunables, so that both sides
+# train on the same allocator (unless the environment already sets one for both).
+if [[ -z "${GLIBC_TUNABLES:-}" && -z "${MALLOC_MMAP_THRESHOLD_:-}" && -z "${MALLOC_TRIM_THRESHOLD_:-}" ]]; then
+  pytorch_tunables=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456
+else
+  pytorch_tunables=${GLIBC_TUNABLES:-}
+fi
+
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python=/usr/bin/python3
@@ -56,11 +66,11 @@ for round in $(seq 1 "$rounds"); do
   qkv_train+=("$("$train" --task lm --device cpu --threads "$threads" --steps "$steps" --eval-every 100000 --quiet \
     "${dropout[@]}" --json | json_field tokens_per_s)")
   if [[ $pytorch == host ]]; then
-    pytorch_train+=("$("$python" "$root/scripts/lm_pytorch.py" speed --threads "$threads" --steps "$steps" \
+    pytorch_train+=("$(GLIBC_TUNABLES=$pytorch_tunables "$python" "$root/scripts/lm_pytorch.py" speed --threads "$threads" --steps "$steps" \
       --like "$work/defaults/summary.json" | json_field tokens_per_s)")
   else
     cp "$work/defaults/summary.json" "$root/build/bench-lm-defaults.json"  # where the chroot sees it (/qkv)
-    pytorch_train+=("$(bash "$root/scripts/test-in-debian.sh" "$pytorch" /usr/bin/python3 /qkv/scripts/lm_pytorch.py \
+    pytorch_train+=("$(GLIBC_TUNABLES=$pytorch_tunables bash "$root/scripts/test-in-debian.sh" "$pytorch" /usr/bin/python3 /qkv/scripts/lm_pytorch.py \
       speed --threads "$threads" --steps "$steps" --like /qkv/build/bench-lm-defaults.json | grep '^{' |
       json_field tokens_per_s)")
   fi
@@ -74,14 +84,14 @@ done
 torch_version=$([[ $pytorch == host ]] && "$python" -c 'import torch; print(torch.__version__)' ||
   bash "$root/scripts/test-in-debian.sh" "$pytorch" /usr/bin/python3 -c 'import torch; print(torch.__version__)' | tail -1)
 "$python" - "$threads" "$torch_version" "${qkv_train[*]}" "${pytorch_train[*]}" "${cached[*]}" "${uncached[*]}" \
-  "${dropout[1]:-}" << 'PY'
+  "${dropout[1]:-}" "${pytorch_tunables:-none}" << 'PY'
 import statistics, sys
 threads, torch_version = sys.argv[1], sys.argv[2]
 qkv, pytorch, cached, uncached = ([float(x) for x in a.split()] for a in sys.argv[3:7])
 dropout_note = f" with dropout {sys.argv[7]}" if sys.argv[7] else ""
 ratio = lambda a, b: statistics.median(x / y for x, y in zip(a, b))
 print(f"language model, default configuration{dropout_note}, {threads} threads, PyTorch {torch_version}; "
-      f"medians of {len(qkv)} rounds")
+      f"medians of {len(qkv)} rounds; PyTorch's GLIBC_TUNABLES: {sys.argv[8]}")
 print("| measurement | qkv | other | ratio | goal |")
 print("| --- | --- | --- | --- | --- |")
 print(f"| training tokens/s: qkv-train vs lm_pytorch.py | {statistics.median(qkv):.0f} | {statistics.median(pytorch):.0f} "

@@ -2,7 +2,13 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 namespace qkv_cli {
 
@@ -35,6 +41,21 @@ torch::ScalarType dtype_from_name(const std::string& name) {
   if (name == "bfloat16") return torch::kBFloat16;
   if (name == "float16") return torch::kHalf;
   throw std::invalid_argument("unknown dtype " + name + " (float32, float64, bfloat16 or float16)");
+}
+
+bool keep_freed_memory_for_reuse() {
+#if defined(__GLIBC__)
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr || std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr ||
+      (tunables != nullptr && std::strstr(tunables, "glibc.malloc.") != nullptr)) {
+    return false;
+  }
+  constexpr int kMmapThreshold = 32 << 20;  // glibc's largest dynamic threshold on 64-bit
+  constexpr int kTrimThreshold = 256 << 20;
+  return mallopt(M_MMAP_THRESHOLD, kMmapThreshold) == 1 && mallopt(M_TRIM_THRESHOLD, kTrimThreshold) == 1;
+#else
+  return false;
+#endif
 }
 
 }  // namespace qkv_cli

@@ -22,4 +22,17 @@ int usage_error(const std::string& program, const std::string& message);
 const std::vector<std::string>& dtype_names();               // float32, float64, bfloat16, float16
 torch::ScalarType dtype_from_name(const std::string& name);  // throws std::invalid_argument for others
 
+/// glibc's malloc serves every block above its mmap threshold (128 KiB at first, rising to at most
+/// 32 MiB as such blocks are freed) with a fresh mapping and gives it back when freed, so a training
+/// step's large tensors fault their pages in anew on every step: on the 2-core VM this was measured
+/// on (AMD EPYC, Zen 5), page faults took a fifth of the language model's float32 step. This sets
+/// a threshold of 32 MiB and a trim threshold of 256 MiB, as GLIBC_TUNABLES
+/// `glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456` would: freed blocks
+/// stay in the heap for the next step (memory is kept at the peak, as PyTorch's CUDA caching
+/// allocator keeps it). Leaves malloc as it is where the environment sets either (MALLOC_MMAP_THRESHOLD_,
+/// MALLOC_TRIM_THRESHOLD_, or a glibc.malloc tunable) and where the C library is not glibc.
+/// Returns whether it changed anything. For programs, not for the library (qkv never changes
+/// its host's allocator).
+bool keep_freed_memory_for_reuse();
+
 }  // namespace qkv_cli

@@ -2,6 +2,7 @@
 // Exit status: 0 done, 1 runtime failure, 2 bad command line or distributed environment,
 // 130 / 143 stopped by SIGINT / SIGTERM.
 #include "cli.h"
+#include "common/cli_support.h"
 #include "distributed.h"
 #include "launcher.h"
 #include "run_config.h"
@@ -83,6 +84,8 @@ int main(int argc, char** argv) {
   // Logs go to stderr so that stdout carries only the run's results (and --json stays parseable).
   spdlog::set_default_logger(spdlog::stderr_color_mt("qkv-train"));
   spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
+  // Before LibTorch allocates: a step's tensors reuse the heap instead of faulting in fresh pages.
+  const bool reusing_freed_memory = qkv_cli::keep_freed_memory_for_reuse();
 
   // 1. The command line and the distributed environment.
   qkv_train::RunConfig config;
@@ -134,7 +137,9 @@ int main(int argc, char** argv) {
     set_threads(config, env);
     const auto device = rank_device(config.device_name, env);
     if (config.device_name == "auto") spdlog::info("--device auto: using {}", device.str());
-    spdlog::debug("LibTorch {}, {} threads, OpenBLAS core {}", TORCH_VERSION, torch::get_num_threads(), qkv::blas_core());
+    spdlog::debug("LibTorch {}, {} threads, OpenBLAS core {}, freed memory {}", TORCH_VERSION, torch::get_num_threads(),
+                  qkv::blas_core(),
+                  reusing_freed_memory ? "kept in the heap (mmap threshold 32 MiB)" : "as the C library decides");
     if (const auto advice = qkv::blas_core_advice(); !advice.empty() && device.is_cpu()) spdlog::warn("{}", advice);
     const auto& task = qkv_train::find_task(config.task);
     if (!task.trained() || config.generate) {
