@@ -1,16 +1,23 @@
 // qkv-train run as a user runs it: the documents' example, the toy tasks (files, determinism,
 // resume, failures), the sqrt(d_k) experiment and data-parallel training. The language model is
 // tested in test_qkv_train_lm.cpp; failure cases that need killing processes are ctest scripts.
+#include "common/cli_support.h"
 #include "support/apps.h"
 #include "support/fixtures.h"
 
 #include <gmock/gmock.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 namespace {
 
@@ -20,6 +27,37 @@ using namespace qkv_test;
 nlohmann::json python_seed_example() {
   std::ifstream file(qkv_test::data_path("seed_example.json"));
   return nlohmann::json::parse(file);
+}
+
+// qkv-train's allocator setting (apps/common/cli_support.h): from glibc's own first threshold
+// (128 KiB, fixed here so that earlier tests' frees do not raise it), a 16 MiB block is served
+// from the heap, not by a fresh mapping (mallinfo2's hblks counts mapped blocks), and stays in the
+// heap once freed; with a threshold in the environment it leaves malloc alone.
+TEST(TrainApp, FreedMemoryStaysInTheHeapForTheNextStep) {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || __GLIBC_MINOR__ >= 33)
+  if (std::getenv("GLIBC_TUNABLES") != nullptr || std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+      std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) {
+    GTEST_SKIP() << "malloc's thresholds are set by the environment";
+  }
+  ASSERT_EQ(setenv("MALLOC_MMAP_THRESHOLD_", "131072", 1), 0);
+  EXPECT_FALSE(qkv_cli::keep_freed_memory_for_reuse());
+  ASSERT_EQ(unsetenv("MALLOC_MMAP_THRESHOLD_"), 0);
+
+  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 128 << 10), 1);
+  ASSERT_TRUE(qkv_cli::keep_freed_memory_for_reuse());
+  constexpr size_t kBlock = 16 << 20;
+  const auto before = mallinfo2();
+  auto* block = static_cast<char*>(std::malloc(kBlock));
+  ASSERT_NE(block, nullptr);
+  std::memset(block, 1, kBlock);
+  const auto during = mallinfo2();
+  EXPECT_EQ(during.hblks, before.hblks) << "the 16 MiB block was mapped on its own";
+  std::free(block);
+  const auto after = mallinfo2();
+  EXPECT_GE(after.arena, kBlock) << "the heap gave the freed block back";
+#else
+  GTEST_SKIP() << "not glibc >= 2.33: qkv-train leaves malloc as it is";
+#endif
 }
 
 TEST(TrainApp, SeedTaskPrintsThePythonExamplesLines) {
