@@ -40,11 +40,11 @@ fi
 # qkv-train keeps freed memory in the heap for the next step (glibc's mmap threshold at 32 MiB,
 # apps/common/cli_support.h: without it, page faults took a fifth of the float32 step on an AMD
 # EPYC VM); the PyTorch side gets the same setting through glibc's tunables, so that both sides
-# train on the same allocator (unless the environment already sets one for both).
-if [[ -z "${GLIBC_TUNABLES:-}" && -z "${MALLOC_MMAP_THRESHOLD_:-}" && -z "${MALLOC_TRIM_THRESHOLD_:-}" ]]; then
-  pytorch_tunables=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456
-else
-  pytorch_tunables=${GLIBC_TUNABLES:-}
+# train on the same allocator (where the environment sets malloc's thresholds, qkv-train leaves
+# them alone and both sides run on the environment's).
+pytorch_tunables=${GLIBC_TUNABLES:-}
+if [[ "$pytorch_tunables" != *glibc.malloc.* && -z "${MALLOC_MMAP_THRESHOLD_:-}" && -z "${MALLOC_TRIM_THRESHOLD_:-}" ]]; then
+  pytorch_tunables=${pytorch_tunables:+$pytorch_tunables:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456
 fi
 
 work=$(mktemp -d)
