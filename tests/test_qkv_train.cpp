@@ -43,7 +43,8 @@ TEST(TrainApp, FreedMemoryStaysInTheHeapForTheNextStep) {
   EXPECT_FALSE(qkv_cli::keep_freed_memory_for_reuse());
   ASSERT_EQ(unsetenv("MALLOC_MMAP_THRESHOLD_"), 0);
 
-  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 128 << 10), 1);
+  // AddressSanitizer's malloc takes no options (its mallopt returns 0): nothing to check there.
+  if (mallopt(M_MMAP_THRESHOLD, 128 << 10) != 1) GTEST_SKIP() << "malloc is not glibc's (a sanitizer's?)";
   ASSERT_TRUE(qkv_cli::keep_freed_memory_for_reuse());
   constexpr size_t kBlock = 16 << 20;
   const auto before = mallinfo2();
