@@ -15,6 +15,7 @@ fi
 build=$root/build-fuzz
 if [[ ! -f "$build/CMakeCache.txt" ]]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_UNITY_BUILD="${QKV_UNITY_BUILD:-ON}" \
     -DQKV_FUZZ=ON -DQKV_BUILD_TESTS=OFF -DQKV_INSTALL=OFF -DQKV_SANITIZE=address,fuzzer-no-link > /dev/null
 fi
 targets=(${QKV_FUZZ_TARGETS:-fuzz_weights_loader fuzz_train_options fuzz_backends})
