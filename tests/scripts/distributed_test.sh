@@ -16,7 +16,8 @@ free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("12
               echo $((20000 + RANDOM % 20000)); }
 now() { date +%s.%N; }
 elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-args=(--task reverse --device cpu --threads 1 --steps 1000000 --log-every 1000000 --quiet)
+job=(--task reverse --device cpu --threads 1 --steps 1000000 --quiet)
+args=("${job[@]}" --log-every 1000000)
 timeout_s=10
 
 # 1. A rank dies mid-run.
@@ -25,7 +26,7 @@ RANK=0 "$train" "${args[@]}" --dist-timeout $timeout_s --out "$work/killed" 2> "
 rank0=$!
 RANK=1 "$train" "${args[@]}" --dist-timeout $timeout_s 2> "$work/rank1.err" &
 rank1=$!
-for _ in $(seq 100); do [[ -f "$work/killed/metrics.csv" ]] && break; sleep 0.1; done  # training has begun
+for _ in $(seq 600); do [[ -f "$work/killed/metrics.csv" ]] && break; sleep 0.1; done  # training has begun
 sleep 1
 kill -KILL $rank1
 start=$(now)
@@ -50,11 +51,16 @@ awk -v t="$took" 'BEGIN { exit !(t <= 3 * 3 + 10) }' || fail "rank 0 waited $too
 grep -q "were all 2 ranks started" "$work/alone.err" || fail "the message does not say what to check"
 unset MASTER_ADDR MASTER_PORT WORLD_SIZE
 
-# 3. SIGTERM to the launcher: both ranks stop together, rank 0 checkpoints.
-"$train" "${args[@]}" --nproc 2 --out "$work/stopped" --checkpoint-every 1000000 > /dev/null 2> "$work/stopped.err" &
+# 3. SIGTERM to the launcher: both ranks stop together, rank 0 checkpoints. The signal is sent once
+#    rank 0 has recorded a trained step: the ranks then have finished an all-reduce, so both are past
+#    their start-up and catch the signal (before it, the default action would end a rank, as it
+#    should: there is nothing to save yet). Slow machines (sanitizers, a loaded CI) get a minute.
+"$train" "${job[@]}" --log-every 1 --nproc 2 --out "$work/stopped" --checkpoint-every 1000000 > /dev/null 2> "$work/stopped.err" &
 job=$!
-for _ in $(seq 100); do [[ -f "$work/stopped/metrics.csv" ]] && break; sleep 0.1; done
-sleep 1
+rows() { cat "$1" 2> /dev/null | wc -l; }
+for _ in $(seq 600); do [[ $(rows "$work/stopped/metrics.csv") -ge 3 ]] && break; sleep 0.1; done
+[[ $(rows "$work/stopped/metrics.csv") -ge 3 ]] ||
+  fail "no trained step recorded within 60 s: $(cat "$work/stopped.err")"
 kill -TERM $job
 wait $job
 status=$?
