@@ -6,11 +6,13 @@
 #include "support/fixtures.h"
 
 #include "kernels/tiled/kernel.h"
+#include "kernels/tiled/task_queue.h"
 #include "kernels/tiled/tiled_cpu.h"
 
 #include <gmock/gmock.h>
 
 #include <array>
+#include <atomic>
 #include <limits>
 #include <random>
 
@@ -589,6 +591,67 @@ TEST(Tiled, ParityFixturesWithTheTiledBackend) {
     torch::mse_loss(result.output, fixture.tensor("target")).backward();
     qkv_test::expect_gradients_match(fixture, *module, query, tolerance, name);
   }
+}
+
+// The kernel's tasks go to threads as they become free (task_queue.h): every task runs exactly
+// once, whatever the thread count and chunk size, the calling thread's share included.
+TEST(Tiled, EveryTaskRunsExactlyOnce) {
+  const int previous_threads = at::get_num_threads();
+  for (const int threads : {1, 2, 5}) {
+    at::set_num_threads(threads);
+    for (const int64_t tasks : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000}}) {
+      for (const int64_t min_chunk : {int64_t{1}, int64_t{3}, int64_t{2000}}) {
+        std::vector<std::atomic<int>> runs(static_cast<size_t>(tasks));
+        std::atomic<int> bodies{0};
+        qkv::kernels::tiled::run_tasks(tasks, min_chunk, [&](qkv::kernels::tiled::ThreadTasks& mine) {
+          bodies.fetch_add(1);
+          for (int64_t task = 0; mine.next(task);) runs[static_cast<size_t>(task)].fetch_add(1);
+        });
+        for (int64_t task = 0; task < tasks; ++task) {
+          ASSERT_EQ(runs[static_cast<size_t>(task)].load(), 1)
+              << "task " << task << " of " << tasks << ", " << threads << " threads, chunks of at least " << min_chunk;
+        }
+        // Never more threads than LibTorch has, and none for no work.
+        EXPECT_LE(bodies.load(), threads);
+        EXPECT_EQ(bodies.load() == 0, tasks == 0);
+      }
+    }
+  }
+  at::set_num_threads(previous_threads);
+}
+
+// Which thread runs which task changes from call to call; the results must not: five calls with
+// more threads than cores (so that the threads' shares vary most), causal with grouped heads and a
+// learned mask, equal bit for bit, and equal to float64 math.
+TEST(Tiled, ResultsDoNotDependOnWhichThreadRanATask) {
+  const int previous_threads = at::get_num_threads();
+  at::set_num_threads(4);
+  torch::manual_seed(5);
+  const int64_t B = 2, H = 4, Hkv = 2, N = 200, S = 300, D = 16;
+  const auto q = torch::randn({B, H, N, D}, torch::kDouble), k = torch::randn({B, Hkv, S, D}, torch::kDouble);
+  const auto v = torch::randn({B, Hkv, S, D}, torch::kDouble), upstream = torch::randn({B, H, N, D}, torch::kDouble);
+  const auto bias = torch::randn({H, N, S}, torch::kDouble);
+  const auto options = qkv::ScaledDotProductAttentionOptions().causal(true).enable_gqa(true);
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto [first, first_bias_grad] =
+        run_with_learned_mask(q, k, v, upstream, options, bias.to(torch::kFloat), AttentionBackend::Tiled, dtype);
+    for (int call = 0; call < 4; ++call) {
+      const auto [again, again_bias_grad] =
+          run_with_learned_mask(q, k, v, upstream, options, bias.to(torch::kFloat), AttentionBackend::Tiled, dtype);
+      EXPECT_TRUE(torch::equal(again.output, first.output)) << "call " << call;
+      EXPECT_TRUE(torch::equal(again.grad_q, first.grad_q)) << "call " << call;
+      EXPECT_TRUE(torch::equal(again.grad_k, first.grad_k)) << "call " << call;
+      EXPECT_TRUE(torch::equal(again.grad_v, first.grad_v)) << "call " << call;
+      EXPECT_TRUE(torch::equal(again_bias_grad, first_bias_grad)) << "call " << call;
+    }
+    const auto [math, math_bias_grad] =
+        run_with_learned_mask(q, k, v, upstream, options, bias, AttentionBackend::Math, torch::kDouble);
+    const double tolerance = qkv_test::tolerance_for(dtype, S);
+    expect_same(first, math, tolerance, "against float64 math");
+    EXPECT_TRUE(qkv_test::tensors_close(first_bias_grad.to(torch::kDouble), math_bias_grad, tolerance));
+  }
+  at::set_num_threads(previous_threads);
 }
 
 TEST(Tiled, RefusesWhatItCannotDo) {

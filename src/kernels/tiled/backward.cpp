@@ -3,17 +3,20 @@
 // part of its keys (their dK, dV, and a partial dQ summed at the end); for every key block it
 // recomputes the probabilities P = exp(S - L) block by block from the forward's L (or reads them,
 // where the forward kept them: keeps_probabilities in kernel.h) and accumulates
-// dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K with dS = P ⊙ (dO Vᵀ - rowsum(dO ⊙ O)). Tasks run under
-// at::parallel_for with per-thread scratch and no atomics. Asked for it, it also writes dS itself:
-// the gradient of an additive mask (a learned bias). Where the products multiply bfloat16 (AMX,
-// AVX512_BF16) it accumulates dVᵀ and dKᵀ instead, so that P and dS enter their products as right
-// operands, written by one element-wise pass per block (softmax_backward_block in vector_math.h).
+// dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K with dS = P ⊙ (dO Vᵀ - rowsum(dO ⊙ O)). Tasks go to
+// LibTorch's threads as they become free (task_queue.h), each thread with its own scratch; no task
+// writes what another does (no atomics), so results do not depend on the thread that ran them.
+// Asked for it, it also writes dS itself: the gradient of an additive mask (a learned bias). Where
+// the products multiply bfloat16 (AMX, AVX512_BF16) it accumulates dVᵀ and dKᵀ instead, so that P
+// and dS enter their products as right operands, written by one element-wise pass per block
+// (softmax_backward_block in vector_math.h).
 //
 // B = batch, H = query heads, Hkv = key/value heads, G = H / Hkv, N = query rows, S = keys,
 // D = head width, Dv = value width.
 #include "kernels/tiled/aligned_buffer.h"
 #include "kernels/tiled/blocks.h"
 #include "kernels/tiled/kernel.h"
+#include "kernels/tiled/task_queue.h"
 #include "kernels/tiled/vector_math.h"
 
 #include <ATen/Parallel.h>
@@ -82,7 +85,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
   // With the keys split, each part's dQ is partial: summed over the parts after the tasks.
   AlignedVector<acc_t> partial_grad_q;
   if (split.parts() > 1) partial_grad_q.resize(static_cast<size_t>(heads * split.parts() * G * p.N * p.D));
-  at::parallel_for(0, heads * split.parts(), tasks_per_chunk(p, p.groups() * p.N), [&](int64_t begin, int64_t end) {
+  run_tasks(heads * split.parts(), tasks_per_chunk(p, p.groups() * p.N), [&](ThreadTasks& tasks) {
     const SingleThreadedBlas single_threaded;
     // On cache lines (aligned_buffer.h): the blocks' tiles and vectors start on one.
     AlignedVector<acc_t> recomputed(kRowsPerBlock * kScoresStride), grad_probabilities(kRowsPerBlock * kScoresStride),
@@ -112,7 +115,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
     AlignedVector<uint16_t> grad_score_rows(kind.bf16 ? kRowsPerBlock * kKeysPerBlock : 0);
     std::vector<uint8_t> keep_block(kind.bf16 && p.dropout.active() ? kRowsPerBlock * kKeysPerBlock : 0);
     AlignedVector<acc_t> keys_by_rows(kind.bf16 ? kKeysPerBlock * std::max(p.D, p.Dv) : 0);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = 0; tasks.next(task);) {
       const int64_t head = task / split.parts(), part = task % split.parts();
       const int64_t kv_head = head % p.Hkv, b = head / p.Hkv;
       rows_packed.assign(static_cast<size_t>(G * row_blocks), false);

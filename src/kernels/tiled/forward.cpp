@@ -1,14 +1,15 @@
 // The tiled kernel's forward pass, in the manner of FlashAttention-2: each task takes a block of
 // query rows of one head and streams the key/value blocks past it, keeping a running row maximum m
 // and sum l (the online softmax), so that the (N, S) scores never exist beyond one block; it saves
-// the rows' log-sum-exp L = m + log l for the backward. Tasks run under at::parallel_for with
-// per-thread scratch. The block products run on qkv's micro-kernels (packed_products.h); bfloat16
+// the rows' log-sum-exp L = m + log l for the backward. Tasks (row blocks of a head) go to
+// LibTorch's threads as they become free (task_queue.h), each thread with its own scratch. The block products run on qkv's micro-kernels (packed_products.h); bfloat16
 // blocks multiply in bfloat16 where the CPU has AVX512_BF16, else as float32, and accumulate in float32.
 //
 // B = batch, H = query heads, N = query rows, S = keys, D = head width, Dv = value width.
 #include "kernels/tiled/aligned_buffer.h"
 #include "kernels/tiled/blocks.h"
 #include "kernels/tiled/kernel.h"
+#include "kernels/tiled/task_queue.h"
 #include "kernels/tiled/vector_math.h"
 
 #include <ATen/Parallel.h>
@@ -29,8 +30,8 @@ namespace {
 constexpr float kShiftSlack = 8.0f;
 
 // The packed key and value blocks of one key/value head, kept by a thread from task to task: its
-// tasks are consecutive row blocks (and, with GQA, heads) of mostly the same key/value head, so
-// each block is packed about once per thread and head rather than once per row block.
+// tasks come in chunks of consecutive row blocks (and, with GQA, heads) of mostly the same
+// key/value head, so each block is packed about once per chunk and head rather than once per row block.
 template <typename scalar_t>
 class PackedHead {
  public:
@@ -68,8 +69,8 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
                     acc_t* probabilities) {
   const int64_t row_blocks = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t key_blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
-  const int64_t tasks = p.B * p.H * row_blocks;
-  at::parallel_for(0, tasks, tasks_per_chunk(p, std::min(p.N, kRowsPerBlock)), [&](int64_t begin, int64_t end) {
+  const int64_t task_count = p.B * p.H * row_blocks;
+  run_tasks(task_count, tasks_per_chunk(p, std::min(p.N, kRowsPerBlock)), [&](ThreadTasks& tasks) {
     const SingleThreadedBlas single_threaded;
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
     // On cache lines (aligned_buffer.h): the blocks' tiles and vectors start on one.
@@ -84,7 +85,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
     PackedHead<scalar_t> head;
     // A window's unaligned block, packed for one use (see below); kept here so that its storage is reused.
     RightOperand<scalar_t> narrow_keys, narrow_values;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = 0; tasks.next(task);) {
       const int64_t block = task % row_blocks, bh = task / row_blocks, h = bh % p.H, b = bh / p.H;
       const int64_t kv_head = h / p.groups();
       const int64_t i0 = block * kRowsPerBlock, rows = std::min(kRowsPerBlock, p.N - i0);
