@@ -1,6 +1,8 @@
 // The tiled backend as LibTorch's autograd sees it: one autograd::Function whose forward and
 // backward run the kernel's two passes (forward.cpp, backward.cpp) on operands normalised at the
-// kernel's one entry (operands.cpp), dispatched over float32, float64 and bfloat16.
+// kernel's one entry (operands.cpp), dispatched over float32, float64 and bfloat16. It takes q, k, v
+// as the caller has them and returns the output and their gradients in the caller's shapes: the
+// reshaping to 4-D happens inside, where it records no autograd node.
 //
 // Gradients: q, k, v always; an additive mask's when it requires grad (the kernel writes dS,
 // which is that gradient before broadcasting); second order (create_graph) by recomputing the
@@ -30,6 +32,7 @@ struct Settings {
   bool causal = false;
   int64_t window = 0;  // 0: none
   uint64_t seed = 0;
+  bool grouped = false;  // enable_gqa with grouped heads: a rank-3 operand's first dimension holds the heads
 };
 
 template <typename acc_t>
@@ -70,21 +73,23 @@ OutputMatrix4<T> output_of(const torch::Tensor& t) {
   return {t.template data_ptr<T>(), readable.stride_b, readable.stride_h, readable.stride_row};
 }
 
-// The forward's outputs: the attention output (B, H, N, Dv), in q's layout, the rows' log-sum-exp
-// (B, H, N), and, when a backward will follow and the problem is small (keeps_probabilities), the
-// probabilities (B, H, N, S) for it (else an empty tensor).
+// The forward's outputs: the attention output (B, H, N, Dv), the rows' log-sum-exp (B, H, N), and,
+// when a backward will follow and the problem is small (keeps_probabilities), the probabilities
+// (B, H, N, S) for it (else an empty tensor).
 struct ForwardResult {
   torch::Tensor output, lse, probabilities;
 };
 
-ForwardResult run_forward(const Operands& o, const Settings& settings, bool backward_follows) {
+// Runs the forward into `output` (B, H, N, Dv), kernel_readable.
+ForwardResult run_forward(const Operands& o, const Settings& settings, bool backward_follows,
+                          const torch::Tensor& output) {
   const auto& q = o.q;
   ForwardResult result;
+  result.output = output;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "qkv_tiled_forward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = problem_of<acc_t>(o, settings);
     const auto accumulation = q.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-    result.output = empty_in_layout_of(q, p.Dv, q.options());
     result.lse = torch::empty({p.B, p.H, p.N}, accumulation);
     const bool keep = backward_follows && keeps_probabilities(p);
     result.probabilities = keep ? torch::empty({p.B, p.H, p.N, p.S}, accumulation) : torch::empty({0}, accumulation);
@@ -148,33 +153,40 @@ torch::Tensor math_recomputation(const Operands& o, const Settings& settings) {
 }
 
 // The tensors the forward keeps for the backward, by name. They go through save_for_backward (so
-// autograd refuses a backward after any of them was modified in place); the settings through saved_data.
+// autograd refuses a backward after any of them was modified in place); the settings through
+// saved_data. The output is kept as the Function returned it (autograd saves its own outputs
+// without a reference cycle) and seen as 4-D again in the backward.
 struct SavedState {
-  Operands operands;
-  ForwardResult forward;
+  torch::Tensor q, k, v;  // as the caller passed them: what a second-order gradient differentiates
+  Operands operands;      // the kernel's views (or copies) of them, and the mask and key lengths
+  ForwardResult forward;  // forward.output: the Function's output, in the caller's shape
   Settings settings;
 
   void save(torch::autograd::AutogradContext* ctx) const {
     const auto& o = operands;
-    ctx->save_for_backward({o.q, o.k, o.v, o.mask, o.key_lengths, forward.output, forward.lse, forward.probabilities});
+    ctx->save_for_backward(
+        {q, k, v, o.q, o.k, o.v, o.mask, o.key_lengths, forward.output, forward.lse, forward.probabilities});
     ctx->saved_data["scale"] = settings.scale;
     ctx->saved_data["dropout"] = settings.dropout;
     ctx->saved_data["causal"] = settings.causal;
     ctx->saved_data["window"] = settings.window;
     ctx->saved_data["seed"] = static_cast<int64_t>(settings.seed);
+    ctx->saved_data["grouped"] = settings.grouped;
   }
 
   static SavedState load(torch::autograd::AutogradContext* ctx) {
     const auto saved = ctx->get_saved_variables();
     SavedState state;
+    state.q = saved[0], state.k = saved[1], state.v = saved[2];
     auto& o = state.operands;
-    o.q = saved[0], o.k = saved[1], o.v = saved[2], o.mask = saved[3], o.key_lengths = saved[4];
-    state.forward.output = saved[5], state.forward.lse = saved[6], state.forward.probabilities = saved[7];
+    o.q = saved[3], o.k = saved[4], o.v = saved[5], o.mask = saved[6], o.key_lengths = saved[7];
+    state.forward.output = saved[8], state.forward.lse = saved[9], state.forward.probabilities = saved[10];
     state.settings.scale = ctx->saved_data["scale"].toDouble();
     state.settings.dropout = ctx->saved_data["dropout"].toDouble();
     state.settings.causal = ctx->saved_data["causal"].toBool();
     state.settings.window = ctx->saved_data["window"].toInt();
     state.settings.seed = static_cast<uint64_t>(ctx->saved_data["seed"].toInt());
+    state.settings.grouped = ctx->saved_data["grouped"].toBool();
     return state;
   }
 };
@@ -183,22 +195,35 @@ class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFu
  public:
   // The inputs in this order, so that the backward returns one gradient per input.
   enum Input {
-    kQuery, kKey, kValue, kMask, kKeyLengths, kScale, kCausal, kWindow, kDropout, kSeed, kBackwardFollows, kInputs
+    kQuery, kKey, kValue, kMask, kKeyLengths, kScale, kCausal, kWindow, kDropout, kSeed, kBackwardFollows, kGrouped,
+    kInputs
   };
 
-  // q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), mask (B, H, N, S) view or empty,
-  // key_lengths (B,) or empty, all from normalise_operands. Returns the output (B, H, N, Dv).
+  // q (..., N, D), k (..., S, D), v (..., S, Dv) as the caller has them (rank 4: (B, H, ·, ·));
+  // mask (B, H, N, S) view or empty and key_lengths (B,) or empty from kernel_conditions. Returns
+  // the output (..., N, Dv): for 4-D q (B, H, N, Dv) in q's layout, else contiguous.
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const torch::Tensor& mask, const torch::Tensor& key_lengths,
                                double scale, bool causal, int64_t window, double dropout, int64_t seed,
-                               bool backward_follows) {
+                               bool backward_follows, bool grouped) {
     SavedState state;
-    state.operands.q = q, state.operands.k = k, state.operands.v = v;
-    state.operands.mask = mask, state.operands.key_lengths = key_lengths;
-    state.settings = Settings{scale, dropout, causal, window, static_cast<uint64_t>(seed)};
-    state.forward = run_forward(state.operands, state.settings, backward_follows);
+    state.q = q, state.k = k, state.v = v;
+    auto& o = state.operands;
+    o.q = kernel_operand(q, grouped), o.k = kernel_operand(k, grouped), o.v = kernel_operand(v, grouped);
+    o.mask = mask, o.key_lengths = key_lengths;
+    state.settings = Settings{scale, dropout, causal, window, static_cast<uint64_t>(seed), grouped};
+    torch::Tensor output;
+    if (q.dim() == 4) {
+      output = empty_in_layout_of(o.q, v.size(-1), q.options());
+    } else {
+      auto shape = q.sizes().vec();
+      shape.back() = v.size(-1);
+      output = torch::empty(shape, q.options());
+    }
+    state.forward = run_forward(o, state.settings, backward_follows, kernel_operand(output, grouped));
+    state.forward.output = output;
     state.save(ctx);
-    return state.forward.output;
+    return output;
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
@@ -211,8 +236,14 @@ class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFu
     }
     const bool mask_gradient = ctx->needs_input_grad(kMask) && o.mask.is_floating_point();
     torch::autograd::tensor_list grads(kInputs);
-    auto computed = run_backward(o, state.forward, grad_outputs[0], state.settings, mask_gradient);
-    grads[kQuery] = computed.q, grads[kKey] = computed.k, grads[kValue] = computed.v;
+    auto forward = state.forward;
+    forward.output = kernel_operand(forward.output, state.settings.grouped);  // a view: the output is readable
+    auto computed = run_backward(o, forward, kernel_operand(grad_outputs[0], state.settings.grouped), state.settings,
+                                 mask_gradient);
+    // In the callers' shapes (views: the 4-D ones only added dimensions of size 1, or split a contiguous one)
+    grads[kQuery] = computed.q.reshape(state.q.sizes());
+    grads[kKey] = computed.k.reshape(state.k.sizes());
+    grads[kValue] = computed.v.reshape(state.v.sizes());
     if (mask_gradient) grads[kMask] = computed.mask;
     return grads;
   }
@@ -224,13 +255,17 @@ class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFu
     const auto& o = state.operands;
     std::vector<torch::Tensor> inputs;
     std::vector<Input> which;
-    for (const auto& [index, tensor] : {std::pair{kQuery, o.q}, std::pair{kKey, o.k}, std::pair{kValue, o.v},
-                                        std::pair{kMask, o.mask}}) {
+    for (const auto& [index, tensor] : {std::pair{kQuery, state.q}, std::pair{kKey, state.k},
+                                        std::pair{kValue, state.v}, std::pair{kMask, o.mask}}) {
       if (ctx->needs_input_grad(index) && tensor.requires_grad()) inputs.push_back(tensor), which.push_back(index);
     }
     torch::autograd::tensor_list grads(kInputs);
     if (inputs.empty()) return grads;
-    const auto output = math_recomputation(o, state.settings);
+    // The kernel's operands again, now recorded by autograd from the caller's tensors.
+    const bool grouped = state.settings.grouped;
+    const Operands recorded{kernel_operand(state.q, grouped), kernel_operand(state.k, grouped),
+                            kernel_operand(state.v, grouped), o.mask, o.key_lengths};
+    const auto output = math_recomputation(recorded, state.settings).reshape(grad_out.sizes());
     const auto computed = torch::autograd::grad({output}, inputs, {grad_out}, /*retain_graph=*/true,
                                                 /*create_graph=*/true, /*allow_unused=*/true);
     for (size_t i = 0; i < which.size(); ++i) grads[which[i]] = computed[i];
@@ -256,18 +291,16 @@ AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::T
               "scaled_dot_product_attention: the tiled backend runs on the CPU in float32, float64 "
               "or bfloat16, got ",
               q.scalar_type(), " on ", q.device());
-  const auto operands = tiled::normalise_operands(q, k, v, options);
+  const auto [mask, key_lengths] = tiled::kernel_conditions(q, k, options);
   const double dropout = options.training() ? options.dropout() : 0.0;
   // Whether autograd will record this call (inside the Function's forward grad mode is off).
-  const bool backward_follows =
-      torch::GradMode::is_enabled() && (operands.q.requires_grad() || operands.k.requires_grad() ||
-                                        operands.v.requires_grad() || operands.mask.requires_grad());
-  auto output = tiled::TiledAttentionFunction::apply(operands.q, operands.k, operands.v, operands.mask,
-                                                     operands.key_lengths, resolved_scale(options, q.size(-1)),
-                                                     options.causal(), options.window().value_or(0), dropout,
-                                                     static_cast<int64_t>(seed), backward_follows);
+  const bool backward_follows = torch::GradMode::is_enabled() &&
+                                (q.requires_grad() || k.requires_grad() || v.requires_grad() || mask.requires_grad());
   AttentionResult result;
-  result.output = output.reshape(operands.output_shape);
+  result.output = tiled::TiledAttentionFunction::apply(q, k, v, mask, key_lengths, resolved_scale(options, q.size(-1)),
+                                                       options.causal(), options.window().value_or(0), dropout,
+                                                       static_cast<int64_t>(seed), backward_follows,
+                                                       tiled::grouped_heads(q, k, options));
   result.backend = AttentionBackend::Tiled;
   return result;
 }

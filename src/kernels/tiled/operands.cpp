@@ -40,34 +40,36 @@ torch::Tensor empty_in_layout_of(const torch::Tensor& like, int64_t width, const
   return torch::empty({B, H, rows, width}, options);
 }
 
-Operands normalise_operands(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const ScaledDotProductAttentionOptions& options) {
-  const bool grouped = options.enable_gqa() && query_groups(q, k) > 1;
-  Operands operands;
-  operands.output_shape = q.sizes().vec();
-  operands.output_shape.back() = v.size(-1);
+torch::Tensor kernel_operand(const torch::Tensor& t, bool grouped) {
   // contiguous() may keep odd strides on dimensions of size 1 (it calls a tensor contiguous
   // without looking at them); kernel_readable ignores those too, and the kernel never steps along them.
-  operands.q = readable(as_four_dims(q, grouped));
-  operands.k = readable(as_four_dims(k, grouped));
-  operands.v = readable(as_four_dims(v, grouped));
+  return readable(as_four_dims(t, grouped));
+}
 
+bool grouped_heads(const torch::Tensor& q, const torch::Tensor& k, const ScaledDotProductAttentionOptions& options) {
+  return options.enable_gqa() && query_groups(q, k) > 1;
+}
+
+std::pair<torch::Tensor, torch::Tensor> kernel_conditions(const torch::Tensor& q, const torch::Tensor& k,
+                                                          const ScaledDotProductAttentionOptions& options) {
+  torch::Tensor kernel_mask, kernel_lengths;
   const auto& mask = options.mask();
   if (mask.defined()) {
     // Floating masks in the accumulation type (float32 for bfloat16, whose 8 bits of mantissa
     // would round a bias the other backends add exactly).
-    auto kernel_mask = mask;
+    kernel_mask = mask;
     if (mask.is_floating_point()) kernel_mask = mask.to(q.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
     auto scores_shape = q.sizes().vec();
     scores_shape.back() = k.size(-2);
-    operands.mask = as_four_dims(kernel_mask.expand(scores_shape), grouped);  // (B, H, N, S), stride 0 where it broadcasts
+    // (B, H, N, S), stride 0 where it broadcasts
+    kernel_mask = as_four_dims(kernel_mask.expand(scores_shape), grouped_heads(q, k, options));
   } else {
-    operands.mask = torch::empty({0}, torch::kBool);
+    kernel_mask = torch::empty({0}, torch::kBool);
   }
   const auto& lengths = options.key_lengths();
-  operands.key_lengths =
+  kernel_lengths =
       lengths.defined() ? lengths.to(torch::kCPU, torch::kLong).contiguous() : torch::empty({0}, torch::kLong);
-  return operands;
+  return {kernel_mask, kernel_lengths};
 }
 
 }  // namespace qkv::kernels::tiled

@@ -1,7 +1,9 @@
-// The tiled kernel's one entry: its input contract, checked and met in one place. Whatever
-// operands.cpp hands on (to the autograd function and from there to BLAS) has been normalised:
-// 4-D, unit stride along each row, rows that do not overlap, the mask as a broadcast view in the
-// accumulation type. Private to qkv.
+// The tiled kernel's one entry: its input contract, checked and met in one place. Whatever the
+// kernel reads has been normalised here: 4-D, unit stride along each row, rows that do not
+// overlap, the mask as a broadcast view in the accumulation type. The autograd function
+// (autograd.cpp) brings q, k and v to that form inside its forward, so that reshaping them adds no
+// autograd node (at the documents' sizes each such node cost more than the kernel); the mask, whose
+// gradient must be summed back over its broadcast, before it. Private to qkv.
 //
 // B = batch, H = query heads, Hkv = key/value heads, N = queries, S = keys, D = head width, Dv = value width.
 #pragma once
@@ -10,7 +12,7 @@
 
 #include <torch/types.h>
 
-#include <vector>
+#include <utility>
 
 namespace qkv::kernels::tiled {
 
@@ -18,7 +20,7 @@ namespace qkv::kernels::tiled {
 /// rows at least a width apart (no overlap; BLAS's leading dimension), dimensions of size 1
 /// exempt. Views such as transpose(1, 2) (the module's head split) and slices of rows qualify;
 /// unfold (overlapping rows), expand along positions (stride 0) and transposes of the last two
-/// dimensions do not, and are copied once by normalise_operands.
+/// dimensions do not, and are copied once by kernel_operand.
 bool kernel_readable(const torch::Tensor& t);
 
 /// An empty (B, H, rows, width) result in the layout of `like` (B, H, rows, ·), the operand it
@@ -35,13 +37,21 @@ torch::Tensor empty_in_layout_of(const torch::Tensor& like, int64_t width, const
 /// undefined: autograd::Function takes no undefined tensor arguments.
 struct Operands {
   torch::Tensor q, k, v, mask, key_lengths;
-  std::vector<int64_t> output_shape;  // q's shape with Dv last: the caller's view of the (B, H, N, Dv) result
 };
 
-/// Reshapes q, k, v of any rank (..., N, D) to 4-D (with enable_gqa, dimension -3 holds the heads),
-/// copies what is not kernel_readable, and brings the mask and key lengths to the kernel's form.
-/// Every step is differentiable: gradients reach the caller's tensors, the mask's included.
-Operands normalise_operands(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const ScaledDotProductAttentionOptions& options);
+/// q, k, v or a result of their rank (..., rows, width) as the kernel reads it: (B, H, rows, width),
+/// with grouped heads (enable_gqa) a rank-3 tensor's first dimension holding the heads; a view,
+/// or a copy where the tensor is not kernel_readable. Differentiable when grad mode is on.
+torch::Tensor kernel_operand(const torch::Tensor& t, bool grouped);
+
+/// Whether q, k (..., H or Hkv, rows, width) are grouped heads: enable_gqa with more query heads
+/// than key/value heads.
+bool grouped_heads(const torch::Tensor& q, const torch::Tensor& k, const ScaledDotProductAttentionOptions& options);
+
+/// The mask and key lengths of `options` in the kernel's form (Operands::mask, Operands::key_lengths),
+/// for q (..., N, D) and k (..., S, D). The mask's steps are differentiable: its gradient reaches
+/// the caller's tensor.
+std::pair<torch::Tensor, torch::Tensor> kernel_conditions(const torch::Tensor& q, const torch::Tensor& k,
+                                                          const ScaledDotProductAttentionOptions& options);
 
 }  // namespace qkv::kernels::tiled
