@@ -291,7 +291,8 @@ AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::T
               "scaled_dot_product_attention: the tiled backend runs on the CPU in float32, float64 "
               "or bfloat16, got ",
               q.scalar_type(), " on ", q.device());
-  const auto [mask, key_lengths] = tiled::kernel_conditions(q, k, options);
+  const bool grouped = tiled::grouped_heads(q, k, options);
+  const auto [mask, key_lengths] = tiled::kernel_conditions(q, k, options, grouped);
   const double dropout = options.training() ? options.dropout() : 0.0;
   // Whether autograd will record this call (inside the Function's forward grad mode is off).
   const bool backward_follows = torch::GradMode::is_enabled() &&
@@ -299,8 +300,7 @@ AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::T
   AttentionResult result;
   result.output = tiled::TiledAttentionFunction::apply(q, k, v, mask, key_lengths, resolved_scale(options, q.size(-1)),
                                                        options.causal(), options.window().value_or(0), dropout,
-                                                       static_cast<int64_t>(seed), backward_follows,
-                                                       tiled::grouped_heads(q, k, options));
+                                                       static_cast<int64_t>(seed), backward_follows, grouped);
   result.backend = AttentionBackend::Tiled;
   return result;
 }

@@ -2,8 +2,9 @@
 // query rows of one head and streams the key/value blocks past it, keeping a running row maximum m
 // and sum l (the online softmax), so that the (N, S) scores never exist beyond one block; it saves
 // the rows' log-sum-exp L = m + log l for the backward. Tasks (row blocks of a head) go to
-// LibTorch's threads as they become free (task_queue.h), each thread with its own scratch. The block products run on qkv's micro-kernels (packed_products.h); bfloat16
-// blocks multiply in bfloat16 where the CPU has AVX512_BF16, else as float32, and accumulate in float32.
+// LibTorch's threads as they become free (task_queue.h), each thread with its own scratch. The
+// block products run on qkv's micro-kernels (packed_products.h); bfloat16 blocks multiply in
+// bfloat16 where the CPU has AVX512_BF16, else as float32, and accumulate in float32.
 //
 // B = batch, H = query heads, N = query rows, S = keys, D = head width, Dv = value width.
 #include "kernels/tiled/aligned_buffer.h"

@@ -51,7 +51,8 @@ bool grouped_heads(const torch::Tensor& q, const torch::Tensor& k, const ScaledD
 }
 
 std::pair<torch::Tensor, torch::Tensor> kernel_conditions(const torch::Tensor& q, const torch::Tensor& k,
-                                                          const ScaledDotProductAttentionOptions& options) {
+                                                          const ScaledDotProductAttentionOptions& options,
+                                                          bool grouped) {
   torch::Tensor kernel_mask, kernel_lengths;
   const auto& mask = options.mask();
   if (mask.defined()) {
@@ -62,7 +63,7 @@ std::pair<torch::Tensor, torch::Tensor> kernel_conditions(const torch::Tensor& q
     auto scores_shape = q.sizes().vec();
     scores_shape.back() = k.size(-2);
     // (B, H, N, S), stride 0 where it broadcasts
-    kernel_mask = as_four_dims(kernel_mask.expand(scores_shape), grouped_heads(q, k, options));
+    kernel_mask = as_four_dims(kernel_mask.expand(scores_shape), grouped);
   } else {
     kernel_mask = torch::empty({0}, torch::kBool);
   }
