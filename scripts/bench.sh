@@ -3,15 +3,16 @@
 # device, qkv-bench (C++, Google Benchmark) and scripts/bench_pytorch.py (Python) take turns,
 # --rounds times, with the same thread count; then one table and the raw results as JSON.
 #   scripts/bench.sh [--device cpu|cuda] [--threads N] [--rounds R] [--min-time S] [--cases REGEX]
-#                    [--pytorch WHERE ...] [--out FILE]
+#                    [--pytorch WHERE ...] [--malloc-defaults] [--out FILE]
 # Defaults: cpu, threads = cores, 3 rounds, 0.5 s per repetition, every non-optional case (a
 # --cases REGEX includes optional ones), bench-results.json. --pytorch (repeatable): where the
 # PyTorch side runs: "host" (this machine's /usr/bin/python3, the default) or a Debian release
 # whose python3-torch runs in a chroot (scripts/test-in-debian.sh), e.g. --pytorch host
 # --pytorch trixie --pytorch sid times PyTorch 1.13, 2.6 and the newest in the same run.
+# Both sides run with qkv-train's malloc setting (below); --malloc-defaults runs both at glibc's.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-device=cpu threads=$(nproc) rounds=3 min_time=0.5 filter="" out=bench-results.json
+device=cpu threads=$(nproc) rounds=3 min_time=0.5 filter="" out=bench-results.json malloc_defaults=false
 pytorch_sides=()
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -22,7 +23,8 @@ while [[ $# -gt 0 ]]; do
     --cases) filter=$2; shift 2 ;;
     --pytorch) pytorch_sides+=("$2"); shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n 2,11p "$0"; exit 0 ;;
+    --malloc-defaults) malloc_defaults=true; shift ;;
+    -h|--help) sed -n 2,12p "$0"; exit 0 ;;
     *) echo "bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -40,6 +42,19 @@ coretype=$("$build_dir/apps/qkv-bench" --blas-advice | grep -o 'run with OPENBLA
 if [[ -n "$coretype" ]]; then
   echo "bench: OpenBLAS would run kernels below this CPU's${OPENBLAS_CORETYPE:+ (OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE in the environment)}: OPENBLAS_CORETYPE=$coretype for every side" >&2
   export OPENBLAS_CORETYPE=$coretype
+fi
+# glibc's malloc maps every block above its mmap threshold (128 KiB at first, rising to at most
+# 32 MiB as such blocks are freed) afresh and unmaps it when freed, and trims the heap's top, so a
+# step's tensors fault their pages in again on many steps, by chance: on the AMD EPYC VM of
+# 2026-12-03 the module step (B=8 N=512 E=256) took 83-88 ms at the defaults against 38-40 ms
+# with the setting below, PyTorch 2.14's the same step 93 against 58 ms, and repetitions of one
+# case swung by 3x. Both sides therefore run with qkv-train's setting (mmap threshold 32 MiB,
+# trim threshold 256 MiB, as glibc's tunables), the same for each, so that the table compares
+# the arithmetic rather than the page faults; where the environment sets malloc's thresholds
+# itself, both sides run with the environment's; --malloc-defaults runs both at glibc's defaults.
+if ! $malloc_defaults && [[ "${GLIBC_TUNABLES:-}" != *glibc.malloc.* && -z "${MALLOC_MMAP_THRESHOLD_:-}" &&
+      -z "${MALLOC_TRIM_THRESHOLD_:-}" ]]; then
+  export GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456
 fi
 raw=$(mktemp -d)
 trap 'rm -rf "$raw"' EXIT

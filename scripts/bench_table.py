@@ -120,6 +120,13 @@ def openblas_text(meta):
     return f" (OpenBLAS core {meta['openblas_core']}{forced})"
 
 
+def malloc_setting():
+    """glibc malloc's thresholds as the environment gives them to both sides (scripts/bench.sh)."""
+    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.")]
+    legacy = [f"{k}={os.environ[k]}" for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ]
+    return " ".join(tunables + legacy) or "glibc's defaults"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--raw", required=True)
@@ -172,6 +179,7 @@ def main():
         "blas": blas_library(), "libtorch_cpp": context.get("torch_version"), "pytorch": side_versions,
         "cpu_flags": cpu_flags(), "qkv_tiled_isa": context.get("tiled_isa"),
         "openblas_core": context.get("blas_core"), "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+        "malloc": malloc_setting(),
         "google_benchmark": {k: context.get(k) for k in ("library_version", "library_build_type", "num_cpus", "mhz_per_cpu")},
         "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else None,
     }
@@ -182,7 +190,7 @@ def main():
     print(f"qkv vs PyTorch on {args.device}: {meta['date']}, {meta['cpu']} ({meta['cores']} cores), "
           f"{args.threads} threads, BLAS {meta['blas']}{openblas_text(meta)}, LibTorch {meta['libtorch_cpp']} (C++); {described}; "
           f"CPU flags: {' '.join(meta['cpu_flags']) or 'none of avx2, avx512f, avx512_bf16, amx_bf16'}; "
-          f"qkv's tiled kernel ran on {meta['qkv_tiled_isa'] or 'unknown'}"
+          f"qkv's tiled kernel ran on {meta['qkv_tiled_isa'] or 'unknown'}; malloc (both sides): {meta['malloc']}"
           + (f", GPU {meta['gpu']}" if meta["gpu"] else ""))
     print("times: median over rounds; ratio: median over rounds of PyTorch time / qkv time (above 1: qkv faster), "
           "against the fastest PyTorch implementation; memory: peak "

@@ -108,7 +108,8 @@ in_chroot() {
   "${sudo[@]}" chroot "$chroot_dir" /usr/bin/env -i HOME=/root TERM="${TERM:-dumb}" LANG=C.UTF-8 \
     PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin QKV_BUILD_DIR="/qkv/build-$release" \
     QKV_CMAKE_ARGS="${QKV_CMAKE_ARGS:-}" ${OPENBLAS_CORETYPE:+OPENBLAS_CORETYPE="$OPENBLAS_CORETYPE"} \
-    ${GLIBC_TUNABLES:+GLIBC_TUNABLES="$GLIBC_TUNABLES"} "$@"
+    ${GLIBC_TUNABLES:+GLIBC_TUNABLES="$GLIBC_TUNABLES"} ${MALLOC_MMAP_THRESHOLD_:+MALLOC_MMAP_THRESHOLD_="$MALLOC_MMAP_THRESHOLD_"} \
+    ${MALLOC_TRIM_THRESHOLD_:+MALLOC_TRIM_THRESHOLD_="$MALLOC_TRIM_THRESHOLD_"} "$@"
 }
 
 echo "test-in-debian: $release ($(in_chroot cat /etc/debian_version)), repository at /qkv"
