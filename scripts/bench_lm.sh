@@ -116,11 +116,11 @@ for round in $(seq 1 "$rounds"); do
     qkv_train[$side]+=" $(steady_tokens_per_s "$work/train-$side")"
   done
   if [[ $pytorch == host ]]; then
-    pytorch_train+=("$(GLIBC_TUNABLES=$pytorch_tunables "$python" "$root/scripts/lm_pytorch.py" speed --threads "$threads" --steps "$steps" \
+    pytorch_train+=("$(GLIBC_TUNABLES=$pytorch_tunables "$python" "$root/scripts/lm_pytorch.py" speed --threads "$threads" --warmup "$warmup" --steps "$steps" \
       --like "$work/defaults/summary.json" | json_field tokens_per_s)")
   else
     pytorch_train+=("$(GLIBC_TUNABLES=$pytorch_tunables bash "$root/scripts/test-in-debian.sh" "$pytorch" /usr/bin/python3 /qkv/scripts/lm_pytorch.py \
-      speed --threads "$threads" --steps "$steps" --like "$work_in_chroot/defaults/summary.json" | grep '^{' |
+      speed --threads "$threads" --warmup "$warmup" --steps "$steps" --like "$work_in_chroot/defaults/summary.json" | grep '^{' |
       json_field tokens_per_s)")
   fi
   for side in "${qkv_sides[@]}"; do
