@@ -32,30 +32,10 @@ done
 build_dir=${QKV_BUILD_DIR:-$root/build}
 [[ -n "${QKV_SKIP_BUILD:-}" ]] || "$root/scripts/build.sh" qkv-bench > /dev/null
 bench="$build_dir/apps/qkv-bench"
-# OpenBLAS may run kernels below the CPU's: Debian 12's takes an Intel Xeon of the Emerald Rapids
-# generation for an old CPU and runs its generic kernels, and an OPENBLAS_CORETYPE in the
-# environment may name an older core than the CPU's (Haswell, AVX2, on an AMD Zen 5 with AVX-512:
-# 1.8x slower). That sets the speed of LibTorch's float32 products on both sides of the comparison;
-# qkv-bench says which OPENBLAS_CORETYPE fits, and it is set for every side, the chroots included,
-# in place of the environment's.
-coretype=$("$build_dir/apps/qkv-bench" --blas-advice | grep -o 'run with OPENBLAS_CORETYPE=[A-Z0-9]*' | cut -d= -f2 || true)
-if [[ -n "$coretype" ]]; then
-  echo "bench: OpenBLAS would run kernels below this CPU's${OPENBLAS_CORETYPE:+ (OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE in the environment)}: OPENBLAS_CORETYPE=$coretype for every side" >&2
-  export OPENBLAS_CORETYPE=$coretype
-fi
-# glibc's malloc maps every block above its mmap threshold (128 KiB at first, rising to at most
-# 32 MiB as such blocks are freed) afresh and unmaps it when freed, and trims the heap's top, so a
-# step's tensors fault their pages in again on many steps, by chance: on the AMD EPYC VM of
-# 2026-12-03 the module step (B=8 N=512 E=256) took 83-88 ms at the defaults against 38-40 ms
-# with the setting below, PyTorch 2.14's the same step 93 against 58 ms, and repetitions of one
-# case swung by 3x. Both sides therefore run with qkv-train's setting (mmap threshold 32 MiB,
-# trim threshold 256 MiB, as glibc's tunables), the same for each, so that the table compares
-# the arithmetic rather than the page faults; where the environment sets malloc's thresholds
-# itself, both sides run with the environment's; --malloc-defaults runs both at glibc's defaults.
-if ! $malloc_defaults && [[ "${GLIBC_TUNABLES:-}" != *glibc.malloc.* && -z "${MALLOC_MMAP_THRESHOLD_:-}" &&
-      -z "${MALLOC_TRIM_THRESHOLD_:-}" ]]; then
-  export GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456
-fi
+source "$root/scripts/bench_env.sh"
+use_fitting_openblas_core "$bench" bench
+# --malloc-defaults: both sides at glibc's own malloc settings (bench_env.sh says why not by default).
+$malloc_defaults || use_same_malloc_setting
 raw=$(mktemp -d)
 trap 'rm -rf "$raw"' EXIT
 

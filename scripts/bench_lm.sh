@@ -34,27 +34,9 @@ if [[ -z "${QKV_SKIP_BUILD:-}" ]]; then
   done
 fi
 train="$build_dir/apps/qkv-train"
-# OpenBLAS may run kernels below the CPU's: Debian 12's takes an Intel Xeon of the Emerald Rapids
-# generation for an old CPU and runs its generic kernels, and an OPENBLAS_CORETYPE in the
-# environment may name an older core than the CPU's (Haswell, AVX2, on an AMD Zen 5 with AVX-512:
-# 1.8x slower). That sets the speed of LibTorch's float32 products on both sides of the comparison;
-# qkv-bench says which OPENBLAS_CORETYPE fits, and it is set for every side, the chroots included,
-# in place of the environment's.
-coretype=$("$build_dir/apps/qkv-bench" --blas-advice | grep -o 'run with OPENBLAS_CORETYPE=[A-Z0-9]*' | cut -d= -f2 || true)
-if [[ -n "$coretype" ]]; then
-  echo "bench_lm: OpenBLAS would run kernels below this CPU's${OPENBLAS_CORETYPE:+ (OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE in the environment)}: OPENBLAS_CORETYPE=$coretype for every side" >&2
-  export OPENBLAS_CORETYPE=$coretype
-fi
-
-# qkv-train keeps freed memory in the heap for the next step (glibc's mmap threshold at 32 MiB,
-# apps/common/cli_support.h: without it, page faults took a fifth of the float32 step on an AMD
-# EPYC VM); the PyTorch side gets the same setting through glibc's tunables, so that both sides
-# train on the same allocator (where the environment sets malloc's thresholds, qkv-train leaves
-# them alone and both sides run on the environment's).
-pytorch_tunables=${GLIBC_TUNABLES:-}
-if [[ "$pytorch_tunables" != *glibc.malloc.* && -z "${MALLOC_MMAP_THRESHOLD_:-}" && -z "${MALLOC_TRIM_THRESHOLD_:-}" ]]; then
-  pytorch_tunables=${pytorch_tunables:+$pytorch_tunables:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456
-fi
+source "$root/scripts/bench_env.sh"
+use_fitting_openblas_core "$build_dir/apps/qkv-bench" bench_lm
+use_same_malloc_setting  # qkv-train's own setting, given to every process (bench_env.sh)
 
 # Under build/, where a chroot sees it too (as /qkv/build/...).
 mkdir -p "$root/build"
@@ -95,6 +77,17 @@ run_qkv_train() {
   fi
 }
 
+# lm_pytorch.py's speed run here or in a Debian release's chroot; prints its JSON line.
+run_lm_pytorch() {
+  local args=(speed --threads "$threads" --warmup "$warmup" --steps "$steps")
+  if [[ $pytorch == host ]]; then
+    "$python" "$root/scripts/lm_pytorch.py" "${args[@]}" --like "$work/defaults/summary.json"
+  else
+    bash "$root/scripts/test-in-debian.sh" "$pytorch" /usr/bin/python3 /qkv/scripts/lm_pytorch.py "${args[@]}" \
+      --like "$work_in_chroot/defaults/summary.json"
+  fi | grep '^{' | tail -1
+}
+
 # The default configuration, as qkv-train resolves it (lm_pytorch.py takes the same options from
 # its summary); and for each qkv side a model to generate from, with a context of 320 for 256 new
 # tokens after the prompt (its weights do not change the speed).
@@ -115,14 +108,8 @@ for round in $(seq 1 "$rounds"); do
       --eval-every 100000 --quiet "${dropout[@]}" --json --out "$work/train-$side" > /dev/null
     qkv_train[$side]+=" $(steady_tokens_per_s "$work/train-$side")"
   done
-  if [[ $pytorch == host ]]; then
-    pytorch_train+=("$(GLIBC_TUNABLES=$pytorch_tunables "$python" "$root/scripts/lm_pytorch.py" speed --threads "$threads" --warmup "$warmup" --steps "$steps" \
-      --like "$work/defaults/summary.json" | json_field tokens_per_s)")
-  else
-    pytorch_train+=("$(GLIBC_TUNABLES=$pytorch_tunables bash "$root/scripts/test-in-debian.sh" "$pytorch" /usr/bin/python3 /qkv/scripts/lm_pytorch.py \
-      speed --threads "$threads" --warmup "$warmup" --steps "$steps" --like "$work_in_chroot/defaults/summary.json" | grep '^{' |
-      json_field tokens_per_s)")
-  fi
+  run_lm_pytorch > "$work/pytorch.json"
+  pytorch_train+=("$(json_field tokens_per_s < "$work/pytorch.json")")
   for side in "${qkv_sides[@]}"; do
     for cache in yes no; do
       flag=()
@@ -133,28 +120,24 @@ for round in $(seq 1 "$rounds"); do
     done
   done
 done
-torch_version=$([[ $pytorch == host ]] && "$python" -c 'import torch; print(torch.__version__)' ||
-  bash "$root/scripts/test-in-debian.sh" "$pytorch" /usr/bin/python3 -c 'import torch; print(torch.__version__)' | tail -1)
 sides=()
-for side in "${qkv_sides[@]}"; do
-  version=$([[ $side == host ]] && "$python" -c 'import torch; print(torch.__version__)' ||
-    bash "$root/scripts/test-in-debian.sh" "$side" /usr/bin/python3 -c 'import torch; print(torch.__version__)' | tail -1)
-  sides+=("$side|${version%%+*}|${qkv_train[$side]}|${cached[$side]}|${uncached[$side]}")
-done
-"$python" - "$threads" "$torch_version" "${pytorch_train[*]}" "${dropout[1]:-}" "${pytorch_tunables:-none}" "${sides[@]}" << 'PY'
-import statistics, sys
-threads, torch_version, pytorch, dropout, tunables = sys.argv[1:6]
+for side in "${qkv_sides[@]}"; do sides+=("$side|${qkv_train[$side]}|${cached[$side]}|${uncached[$side]}"); done
+"$python" - "$threads" "$work" "${pytorch_train[*]}" "${dropout[1]:-}" "${GLIBC_TUNABLES:-none}" "${sides[@]}" << 'PY'
+import json, statistics, sys
+threads, work, pytorch, dropout, tunables = sys.argv[1:6]
 pytorch = [float(x) for x in pytorch.split()]
+torch_version = json.loads(open(f"{work}/pytorch.json").read())["torch_version"]
 dropout_note = f" with dropout {dropout}" if dropout else ""
 ratio = lambda a, b: statistics.median(x / y for x, y in zip(a, b))
 print(f"language model, default configuration{dropout_note}, {threads} threads, PyTorch {torch_version}; "
-      f"medians of {len(pytorch)} rounds; PyTorch's GLIBC_TUNABLES: {tunables}")
+      f"medians of {len(pytorch)} rounds; both sides' GLIBC_TUNABLES: {tunables}")
 print("| measurement | qkv | other | ratio | goal |")
 print("| --- | --- | --- | --- | --- |")
 rounds = []
 for entry in sys.argv[6:]:
-    side, version, trained, cached, uncached = entry.split("|")
+    side, trained, cached, uncached = entry.split("|")
     trained, cached, uncached = ([float(x) for x in a.split()] for a in (trained, cached, uncached))
+    version = json.load(open(f"{work}/train-{side}/summary.json"))["torch_version"]  # the LibTorch it was built on
     built = f"qkv-train on LibTorch {version} ({side})"
     print(f"| training tokens/s: {built} vs lm_pytorch.py | {statistics.median(trained):.0f} "
           f"| {statistics.median(pytorch):.0f} | {ratio(trained, pytorch):.2f} | ≥ 1.3 |")

@@ -1,0 +1,36 @@
+# The environment both sides of a qkv-against-PyTorch comparison run in, set the same for each
+# (the chroots included: scripts/test-in-debian.sh passes these variables in). Sourced by
+# scripts/bench.sh and scripts/bench_lm.sh, not run.
+
+# OpenBLAS may run kernels below the CPU's: Debian 12's takes an Intel Xeon of the Emerald Rapids
+# generation for an old CPU and runs its generic kernels, and an OPENBLAS_CORETYPE in the
+# environment may name an older core than the CPU's (Haswell, AVX2, on an AMD Zen 5 with AVX-512:
+# 1.8x slower). That sets the speed of LibTorch's float32 products on both sides of the comparison;
+# qkv-bench says which OPENBLAS_CORETYPE fits, and it is set for every side in place of the
+# environment's.
+#   use_fitting_openblas_core QKV_BENCH NAME     NAME: the script's name for its message
+use_fitting_openblas_core() {
+  local coretype
+  coretype=$("$1" --blas-advice | grep -o 'run with OPENBLAS_CORETYPE=[A-Z0-9]*' | cut -d= -f2 || true)
+  if [[ -n "$coretype" ]]; then
+    echo "$2: OpenBLAS would run kernels below this CPU's${OPENBLAS_CORETYPE:+ (OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE in the environment)}: OPENBLAS_CORETYPE=$coretype for every side" >&2
+    export OPENBLAS_CORETYPE=$coretype
+  fi
+}
+
+# glibc's malloc maps every block above its mmap threshold (128 KiB at first, rising to at most
+# 32 MiB as such blocks are freed) afresh and unmaps it when freed, and trims the heap's top, so a
+# step's tensors fault their pages in again on many steps, by chance: on the AMD EPYC VM of
+# 2026-12-03 the module step (B=8 N=512 E=256) took 83-88 ms at the defaults against 38-40 ms
+# with the setting below, PyTorch 2.14's the same step 93 against 58 ms, and repetitions of one
+# case swung by 3x. Both sides therefore run with qkv-train's setting (mmap threshold 32 MiB, trim
+# threshold 256 MiB: apps/common/cli_support.h), given to every process as glibc's tunables (so
+# qkv-train leaves malloc as the environment sets it), the same for each, so that a table compares
+# the arithmetic rather than the page faults. Where the environment sets malloc's thresholds
+# itself, both sides run with the environment's.
+use_same_malloc_setting() {
+  if [[ "${GLIBC_TUNABLES:-}" != *glibc.malloc.* && -z "${MALLOC_MMAP_THRESHOLD_:-}" &&
+        -z "${MALLOC_TRIM_THRESHOLD_:-}" ]]; then
+    export GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456
+  fi
+}
