@@ -137,8 +137,9 @@ rounds = []
 for entry in sys.argv[6:]:
     side, trained, cached, uncached = entry.split("|")
     trained, cached, uncached = ([float(x) for x in a.split()] for a in (trained, cached, uncached))
-    version = json.load(open(f"{work}/train-{side}/summary.json"))["torch_version"]  # the LibTorch it was built on
-    built = f"qkv-train on LibTorch {version} ({side})"
+    summary = json.load(open(f"{work}/train-{side}/summary.json"))
+    version = summary["torch_version"]  # the LibTorch it was built on
+    built = f"qkv-train on LibTorch {version} ({side}; linear layers on {summary.get('linear_products', 'unknown')})"
     print(f"| training tokens/s: {built} vs lm_pytorch.py | {statistics.median(trained):.0f} "
           f"| {statistics.median(pytorch):.0f} | {ratio(trained, pytorch):.2f} | ≥ 1.3 |")
     print(f"| generation tokens/s, 256 new, {built}: KV cache vs recomputing the prefix "

@@ -178,6 +178,7 @@ def main():
         "device": args.device, "threads": args.threads, "cpu": cpu_model(), "cores": os.cpu_count(),
         "blas": blas_library(), "libtorch_cpp": context.get("torch_version"), "pytorch": side_versions,
         "cpu_flags": cpu_flags(), "qkv_tiled_isa": context.get("tiled_isa"),
+        "qkv_linear_products": context.get("linear_products"),
         "openblas_core": context.get("blas_core"), "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
         "malloc": malloc_setting(),
         "google_benchmark": {k: context.get(k) for k in ("library_version", "library_build_type", "num_cpus", "mhz_per_cpu")},
@@ -190,7 +191,8 @@ def main():
     print(f"qkv vs PyTorch on {args.device}: {meta['date']}, {meta['cpu']} ({meta['cores']} cores), "
           f"{args.threads} threads, BLAS {meta['blas']}{openblas_text(meta)}, LibTorch {meta['libtorch_cpp']} (C++); {described}; "
           f"CPU flags: {' '.join(meta['cpu_flags']) or 'none of avx2, avx512f, avx512_bf16, amx_bf16'}; "
-          f"qkv's tiled kernel ran on {meta['qkv_tiled_isa'] or 'unknown'}; malloc (both sides): {meta['malloc']}"
+          f"qkv's tiled kernel ran on {meta['qkv_tiled_isa'] or 'unknown'}, its linear layers on "
+          f"{meta['qkv_linear_products'] or 'unknown'}; malloc (both sides): {meta['malloc']}"
           + (f", GPU {meta['gpu']}" if meta["gpu"] else ""))
     print("times: median over rounds; ratio: median over rounds of PyTorch time / qkv time (above 1: qkv faster), "
           "against the fastest PyTorch implementation; memory: peak "

@@ -5,6 +5,8 @@
 // D = head width, Dv = value width.
 #include <qkv/functional.h>
 
+#include "linear.h"
+
 #include "kernels/kernels.h"
 #include "kernels/tiled/blocks.h"
 #include "kernels/tiled/cpu_features.h"
@@ -204,6 +206,8 @@ AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch
 std::string tiled_instruction_set() { return kernels::tiled::isa_name(kernels::tiled::active_isa()); }
 
 std::string blas_core() { return kernels::tiled::blas_core(); }
+
+std::string linear_products() { return detail::linear_gemm_description(); }
 
 std::string blas_core_advice() { return kernels::tiled::blas_core_advice(); }
 

@@ -1,24 +1,28 @@
-// Linear layers as one product with their bias. Private to qkv.
+// Linear layers: x Wᵀ + b as one product with its bias. Private to qkv.
 #pragma once
 
-#include <ATen/Functions.h>
+#include <ATen/core/Tensor.h>
+
+#include <string>
 
 namespace qkv::detail {
 
-/// x Wᵀ + b with an input of 3 or more dimensions, contiguous, as its rows side by side in one
-/// addmm with the bias (what PyTorch's Python F.linear does through at::linear on 2.x). The C++
-/// frontend's torch::nn::functional::linear, and so nn::Linear, multiplies such an input first and
-/// adds the bias in a second pass over the output, on every LibTorch version; under bf16 autocast
-/// that pass also converts (a float32 bias added into a bfloat16 product): 3.0 of 68.8 ms of a
-/// bf16-mixed SelfAttention step at B=8 N=512 E=256 on LibTorch 1.13 (its profiler, 2026-12-01).
-/// Anything else goes to at::linear.
-inline at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  if (bias.defined() && x.dim() >= 3 && x.is_contiguous() && weight.dim() == 2 && bias.dim() == 1) {
-    auto sizes = x.sizes().vec();
-    sizes.back() = weight.size(0);
-    return at::addmm(bias, x.view({-1, x.size(-1)}), weight.t()).view(sizes);
-  }
-  return at::linear(x, weight, bias);
-}
+/// x Wᵀ + b, the same values and gradients as at::linear, by the fastest route that takes it:
+/// - float32 on the CPU outside autocast, where the process has oneDNN (LibTorch's own, see
+///   kernels/linear/onednn_sgemm.h): oneDNN's GEMM for the product and both gradients' products,
+///   on the input's rows side by side (a non-contiguous input is made contiguous first, as
+///   at::linear does);
+/// - any other input with 3 or more dimensions, contiguous: its rows side by side in one addmm with
+///   the bias (what PyTorch's Python F.linear does on 2.x; the C++ frontend's nn::Linear multiplies
+///   first and adds the bias in a second pass, which under bf16 autocast also converts: 3.0 of
+///   68.8 ms of a bf16-mixed SelfAttention step at B=8 N=512 E=256 on LibTorch 1.13, 2026-12-01);
+/// - everything else: at::linear.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
+/// LibTorch's own route only (the reference the tests compare linear() with).
+at::Tensor linear_by_libtorch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
+/// Which library multiplies float32 linear layers on the CPU: "oneDNN 2.6.3", or "LibTorch's (why)".
+const std::string& linear_gemm_description();
 
 }  // namespace qkv::detail

@@ -297,6 +297,7 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("device", device.str());
   benchmark::AddCustomContext("tiled_isa", qkv::tiled_instruction_set());
   benchmark::AddCustomContext("blas_core", qkv::blas_core());
+  benchmark::AddCustomContext("linear_products", qkv::linear_products());
   if (const auto advice = qkv::blas_core_advice(); !advice.empty()) std::fprintf(stderr, "qkv-bench: %s\n", advice.c_str());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -137,8 +137,8 @@ int main(int argc, char** argv) {
     set_threads(config, env);
     const auto device = rank_device(config.device_name, env);
     if (config.device_name == "auto") spdlog::info("--device auto: using {}", device.str());
-    spdlog::debug("LibTorch {}, {} threads, OpenBLAS core {}, freed memory {}", TORCH_VERSION, torch::get_num_threads(),
-                  qkv::blas_core(),
+    spdlog::debug("LibTorch {}, {} threads, OpenBLAS core {}, linear layers on {}, freed memory {}", TORCH_VERSION,
+                  torch::get_num_threads(), qkv::blas_core(), qkv::linear_products(),
                   reusing_freed_memory ? "kept in the heap (mmap threshold 32 MiB)" : "as the C library decides");
     if (const auto advice = qkv::blas_core_advice(); !advice.empty() && device.is_cpu()) spdlog::warn("{}", advice);
     const auto& task = qkv_train::find_task(config.task);

@@ -9,6 +9,7 @@
 
 #include "atomic_file.h"
 
+#include <qkv/functional.h>
 #include <qkv/precision.h>
 #include <qkv/version.h>
 
@@ -350,6 +351,7 @@ class Trainer {
         {"torch_version", TORCH_VERSION},
         {"qkv_version", QKV_VERSION_STRING},
         {"backend", qkv::to_string(task_->backend())},
+        {"linear_products", device_.is_cpu() ? qkv::linear_products() : "LibTorch's"},
         {"steps", step_},
         {"initial_loss", initial_loss_.value_or(last_loss_)},
         {"final_loss", last_loss_},

@@ -40,6 +40,14 @@ AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
 /// to rule one out).
 std::string tiled_instruction_set();
 
+/// Which library multiplies qkv's float32 linear layers on the CPU (W_q, W_k, W_v, W_o, the
+/// TransformerBlock's MLP): "oneDNN 2.6.3" where the process has LibTorch's oneDNN (Debian's
+/// LibTorch links it), whose GEMM qkv calls for the forward and both gradients' products; otherwise
+/// "LibTorch's (why)": at::addmm / at::linear, OpenBLAS on Debian. The environment variable
+/// QKV_LINEAR_GEMM=libtorch, read once, keeps them on LibTorch's (to compare). Other dtypes,
+/// autocast and other devices always use LibTorch's.
+std::string linear_products();
+
 /// The CPU OpenBLAS chose its kernels for ("SkylakeX", "Cooperlake", "Zen", ...; "" without
 /// OpenBLAS). Debian's LibTorch multiplies float32 matrices with the same OpenBLAS.
 std::string blas_core();

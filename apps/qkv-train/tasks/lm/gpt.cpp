@@ -1,6 +1,7 @@
 #include "tasks/lm/gpt.h"
 
 #include "eval_mode.h"
+#include "linear.h"
 
 #include <cmath>
 
@@ -53,7 +54,9 @@ void GptImpl::check_ids(const torch::Tensor& ids, const char* caller) const {
 
 torch::Tensor GptImpl::logits(const torch::Tensor& hidden) {
   const auto normed = final_norm(hidden);                                                            // (B, N, E)
-  return options.tie_weights() ? torch::matmul(normed, token_embedding->weight.t()) : head(normed);  // (B, N, V)
+  // qkv's linear route (oneDNN's GEMM for float32 where LibTorch has it), as in the blocks.
+  const auto& weight = options.tie_weights() ? token_embedding->weight : head->weight;  // (V, E)
+  return qkv::detail::linear(normed, weight, torch::Tensor());                          // (B, N, V)
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& ids) {

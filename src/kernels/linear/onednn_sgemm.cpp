@@ -1,0 +1,90 @@
+// Finding the oneDNN that LibTorch loaded (see onednn_sgemm.h).
+#include "kernels/linear/onednn_sgemm.h"
+
+#include <c10/util/Exception.h>
+
+#include <dlfcn.h>
+#include <link.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace qkv::kernels::linear {
+
+namespace {
+
+// oneDNN's C API (dnnl.h, the same from 1.x to 3.x): dnnl_dim_t is int64_t, dnnl_status_t an enum
+// whose dnnl_success is 0; dnnl_version() returns a pointer to this struct.
+struct DnnlVersion {
+  int major, minor, patch;
+  const char* hash;
+};
+
+// The path of a loaded library whose file name starts with "libdnnl.so", if any.
+std::string loaded_onednn_path() {
+  std::string found;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* out) {
+        const char* name = info->dlpi_name ? info->dlpi_name : "";
+        const char* slash = std::strrchr(name, '/');
+        const char* file = slash ? slash + 1 : name;
+        if (std::strncmp(file, "libdnnl.so", 10) != 0) return 0;
+        *static_cast<std::string*>(out) = name;
+        return 1;
+      },
+      &found);
+  return found;
+}
+
+}  // namespace
+
+OneDnnSgemm::OneDnnSgemm() {
+  const char* choice = std::getenv("QKV_LINEAR_GEMM");
+  if (choice && std::strcmp(choice, "libtorch") == 0) {
+    description_ = "LibTorch's (QKV_LINEAR_GEMM=libtorch)";
+    return;
+  }
+  // The process's global scope first (LibTorch linked as a program's dependency), then a oneDNN
+  // loaded privately (LibTorch opened with RTLD_LOCAL): RTLD_NOLOAD never loads a second one.
+  void* symbol = dlsym(RTLD_DEFAULT, "dnnl_sgemm");
+  void* version_symbol = dlsym(RTLD_DEFAULT, "dnnl_version");
+  if (!symbol) {
+    const auto path = loaded_onednn_path();
+    if (void* handle = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_LAZY | RTLD_NOLOAD)) {
+      symbol = dlsym(handle, "dnnl_sgemm");
+      version_symbol = dlsym(handle, "dnnl_version");
+      // The handle stays open: the library is LibTorch's and lives as long as the process.
+    }
+  }
+  if (!symbol) {
+    description_ = "LibTorch's (no oneDNN with dnnl_sgemm loaded)";
+    return;
+  }
+  sgemm_ = reinterpret_cast<Sgemm>(symbol);
+  description_ = "oneDNN";
+  if (version_symbol) {
+    const auto* version = reinterpret_cast<const DnnlVersion* (*)()>(version_symbol)();
+    if (version) {
+      description_ += " " + std::to_string(version->major) + "." + std::to_string(version->minor) + "." +
+                      std::to_string(version->patch);
+    }
+  }
+}
+
+const OneDnnSgemm& OneDnnSgemm::instance() {
+  static const OneDnnSgemm found;
+  return found;
+}
+
+void OneDnnSgemm::multiply(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a,
+                           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) const {
+  TORCH_CHECK(sgemm_ && m > 0 && n > 0 && k > 0, "qkv: OneDnnSgemm::multiply needs oneDNN (", description_,
+              ") and m, n, k > 0, got ", m, ", ", n, ", ", k);
+  const int status =
+      sgemm_(transpose_a ? 'T' : 'N', transpose_b ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+  TORCH_CHECK(status == 0, "qkv: oneDNN's dnnl_sgemm refused a ", m, "x", k, " by ", k, "x", n,
+              " product (transa ", transpose_a, ", transb ", transpose_b, ", lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
+              "): status ", status);
+}
+
+}  // namespace qkv::kernels::linear

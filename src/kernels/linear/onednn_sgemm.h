@@ -1,0 +1,44 @@
+// oneDNN's float32 GEMM, taken from the oneDNN that LibTorch itself loaded. Private to qkv.
+//
+// Debian's LibTorch links oneDNN (libdnnl) but multiplies float32 matrices with OpenBLAS; on the
+// small-K products of a transformer's linear layers Debian 12's OpenBLAS 0.3.21 reaches about 60%
+// of the CPU's peak where oneDNN's JIT GEMM reaches about 90% (docs/PERFORMANCE.md). qkv does not
+// link a oneDNN of its own: Debian 13's and unstable's libdnnl-dev are newer than the oneDNN their
+// LibTorch links (3.7 and 3.12 against 3.6), and two oneDNNs in one process share their exported
+// names. It looks up `dnnl_sgemm` among the libraries already loaded instead; where there is none
+// (a LibTorch with oneDNN linked in statically and hidden, or built without it) the linear layers
+// stay on LibTorch's own products.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace qkv::kernels::linear {
+
+/// The loaded oneDNN's GEMM, or none.
+class OneDnnSgemm {
+ public:
+  /// The process's oneDNN, looked up once (thread-safe); unavailable when QKV_LINEAR_GEMM is set
+  /// to "libtorch" in the environment at the first call.
+  static const OneDnnSgemm& instance();
+
+  bool available() const { return sgemm_ != nullptr; }
+  /// "oneDNN 2.6.3", or why it is unavailable.
+  const std::string& description() const { return description_; }
+
+  /// C (m × n, row-major, row stride ldc) = A · B + beta · C, where A is m × k and B is k × n, each
+  /// row-major with the given row stride, or transposed ('T': the matrix stored is its transpose,
+  /// k × m or n × k). Requires available() and m, n, k > 0; throws c10::Error naming the status if
+  /// oneDNN refuses.
+  void multiply(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                const float* b, int64_t ldb, float beta, float* c, int64_t ldc) const;
+
+ private:
+  OneDnnSgemm();
+  using Sgemm = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
+                        float, float*, int64_t);
+  Sgemm sgemm_ = nullptr;
+  std::string description_;
+};
+
+}  // namespace qkv::kernels::linear

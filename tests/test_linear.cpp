@@ -1,0 +1,203 @@
+// Linear layers on oneDNN's GEMM (src/linear.h, src/kernels/linear/onednn_sgemm.h) against a
+// float64 at::linear of the same values: the output and the gradients of the input, the weight and
+// the bias, for inputs and weights as views with every layout the route accepts or normalises
+// (contiguous, transposed, sliced, broadcast), odd sizes, with and without bias; second-order
+// gradients; and what stays on LibTorch's route (autocast, float64, a 1-D input).
+#include "kernels/linear/onednn_sgemm.h"
+#include "linear.h"
+
+#include "support/compare.h"
+
+#include <qkv/precision.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <link.h>
+
+#include <cstring>
+#include <string>
+
+namespace {
+
+using qkv::kernels::linear::OneDnnSgemm;
+using qkv_test::relative_error;
+using qkv_test::tolerance_for;
+
+bool onednn_loaded() {
+  bool found = false;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* out) {
+        const char* name = info->dlpi_name ? info->dlpi_name : "";
+        if (std::strstr(name, "libdnnl.so")) *static_cast<bool*>(out) = true;
+        return 0;
+      },
+      &found);
+  return found;
+}
+
+std::string linear_grad_fn_name(const torch::Tensor& t) { return t.grad_fn() ? t.grad_fn()->name() : "(none)"; }
+
+// Whether y's autograd graph, within its first few nodes, has one named like `name`.
+bool graph_has(const torch::Tensor& y, const std::string& name) {
+  std::vector<std::shared_ptr<torch::autograd::Node>> nodes{y.grad_fn()};
+  for (int depth = 0; depth < 3 && !nodes.empty(); ++depth) {
+    std::vector<std::shared_ptr<torch::autograd::Node>> next;
+    for (const auto& node : nodes) {
+      if (!node) continue;
+      if (node->name().find(name) != std::string::npos) return true;
+      for (const auto& edge : node->next_edges()) next.push_back(edge.function);
+    }
+    nodes = std::move(next);
+  }
+  return false;
+}
+
+// The layouts an operand can come in: the same values, stored differently.
+enum class OperandLayout { Contiguous, Transposed, Sliced, Expanded };
+
+const char* operand_layout_name(OperandLayout layout) {
+  switch (layout) {
+    case OperandLayout::Contiguous: return "contiguous";
+    case OperandLayout::Transposed: return "transposed";
+    case OperandLayout::Sliced: return "sliced";
+    case OperandLayout::Expanded: return "expanded";
+  }
+  return "?";
+}
+
+// A leaf holding `values` (rows × cols, or B × rows × cols) stored as `layout`, requiring grad.
+torch::Tensor linear_operand_as(const torch::Tensor& values, OperandLayout layout) {
+  torch::Tensor leaf;
+  switch (layout) {
+    case OperandLayout::Contiguous: leaf = values.clone(); break;
+    case OperandLayout::Transposed: leaf = values.transpose(-1, -2).contiguous().transpose(-1, -2); break;
+    case OperandLayout::Sliced: {
+      auto sizes = values.sizes().vec();
+      sizes.back() += 5;
+      auto wide = torch::zeros(sizes, values.options());
+      wide.narrow(-1, 2, values.size(-1)).copy_(values);
+      leaf = wide.narrow(-1, 2, values.size(-1));
+      break;
+    }
+    case OperandLayout::Expanded: leaf = values.clone(); break;
+  }
+  return leaf.detach().requires_grad_(true);
+}
+
+struct LinearResult {
+  torch::Tensor y, grad_x, grad_w, grad_b;
+};
+
+// y = linear(x, w, b) and the gradients of sum(y · probe), with linear given as `f`.
+template <typename F>
+LinearResult run(F f, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, const torch::Tensor& probe,
+           bool expanded_input) {
+  const auto input = expanded_input ? x.expand({3, x.size(-2), x.size(-1)}) : x;  // a broadcast view: stride 0
+  const auto y = f(input, w, b);
+  (y * probe).sum().backward();
+  return {y.detach(), x.grad().clone(), w.grad().clone(), b.defined() ? b.grad().clone() : torch::Tensor()};
+}
+
+TEST(Linear, FindsTheOneDnnLibTorchLoaded) {
+  // Debian's LibTorch links libdnnl: the route must find it there (and say which one ran).
+  const auto& gemm = OneDnnSgemm::instance();
+  if (!onednn_loaded()) GTEST_SKIP() << "this LibTorch loads no libdnnl: " << gemm.description();
+  EXPECT_TRUE(gemm.available()) << gemm.description();
+  EXPECT_EQ(gemm.description().rfind("oneDNN ", 0), 0u) << gemm.description();
+}
+
+TEST(Linear, MatchesFloat64OverLayoutsAndSizes) {
+  torch::manual_seed(11);
+  const bool routed = OneDnnSgemm::instance().available();
+  struct Shape {
+    int64_t batch, rows, in, out;
+  };
+  for (const auto& s : {Shape{2, 5, 3, 7}, Shape{1, 1, 1, 1}, Shape{3, 33, 17, 65}, Shape{2, 64, 128, 384},
+                        Shape{1, 130, 257, 31}}) {
+    for (auto x_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced, OperandLayout::Expanded}) {
+      for (auto w_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced}) {
+        for (bool bias : {true, false}) {
+          SCOPED_TRACE(testing::Message() << "x (" << s.batch << ", " << s.rows << ", " << s.in << ") "
+                                          << operand_layout_name(x_layout) << ", W (" << s.out << ", " << s.in << ") "
+                                          << operand_layout_name(w_layout) << (bias ? ", bias" : ", no bias"));
+          const bool expanded = x_layout == OperandLayout::Expanded;
+          const auto x_values = torch::randn({expanded ? 1 : s.batch, s.rows, s.in});
+          const auto w_values = torch::randn({s.out, s.in}) / std::sqrt(static_cast<double>(s.in));
+          const auto b_values = torch::randn({s.out});
+          const auto probe = torch::randn({expanded ? 3 : s.batch, s.rows, s.out});
+
+          const auto x = linear_operand_as(x_values, x_layout), w = linear_operand_as(w_values, w_layout);
+          const auto b = bias ? linear_operand_as(b_values, OperandLayout::Contiguous) : torch::Tensor();
+          const auto got = run(qkv::detail::linear, x, w, b, probe, expanded);
+
+          const auto x64 = x_values.to(torch::kDouble).requires_grad_(true);
+          const auto w64 = w_values.to(torch::kDouble).requires_grad_(true);
+          const auto b64 = bias ? b_values.to(torch::kDouble).requires_grad_(true) : torch::Tensor();
+          const auto want = run([](auto&&... a) { return torch::linear(a...); }, x64, w64, b64,
+                                probe.to(torch::kDouble), expanded);
+
+          // Each result is a sum over K = in (y, grad_x... over out), the weight's over the rows.
+          const auto tolerance = tolerance_for(torch::kFloat, std::max({s.in, s.out, s.batch * s.rows * 3}));
+          EXPECT_LT(relative_error(got.y, want.y), tolerance);
+          EXPECT_LT(relative_error(got.grad_x, want.grad_x), tolerance);
+          EXPECT_LT(relative_error(got.grad_w, want.grad_w), tolerance);
+          if (bias) {
+            EXPECT_LT(relative_error(got.grad_b, want.grad_b), tolerance);
+          }
+
+          if (routed) {  // the oneDNN route ran (and not LibTorch's, which would pass the same checks)
+            const auto y = qkv::detail::linear(x, w, b);
+            EXPECT_TRUE(graph_has(y, "OneDnnLinear")) << linear_grad_fn_name(y);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Linear, SecondOrderGradientsMatchFloat64) {
+  // create_graph: the backward runs on LibTorch's differentiable ops, so a gradient penalty works.
+  torch::manual_seed(12);
+  const auto x_values = torch::randn({2, 9, 6}), w_values = torch::randn({4, 6}), b_values = torch::randn({4});
+  auto penalty = [](auto linear, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+    const auto y = linear(x, w, b);
+    const auto grad_x = torch::autograd::grad({y.pow(2).sum()}, {x}, {}, /*retain_graph=*/true,
+                                              /*create_graph=*/true)[0];
+    grad_x.pow(2).sum().backward();
+    return std::make_pair(w.grad().clone(), b.grad().clone());
+  };
+  const auto x = x_values.clone().requires_grad_(true), w = w_values.clone().requires_grad_(true),
+             b = b_values.clone().requires_grad_(true);
+  const auto got = penalty(qkv::detail::linear, x, w, b);
+  const auto x64 = x_values.to(torch::kDouble).requires_grad_(true),
+             w64 = w_values.to(torch::kDouble).requires_grad_(true),
+             b64 = b_values.to(torch::kDouble).requires_grad_(true);
+  const auto want = penalty([](auto&&... a) { return torch::linear(a...); }, x64, w64, b64);
+  const auto tolerance = tolerance_for(torch::kFloat, 18);
+  EXPECT_LT(relative_error(got.first, want.first), tolerance);
+  EXPECT_LT(relative_error(got.second, want.second, /*scale=*/qkv_test::max_abs(want.first)), tolerance);
+}
+
+TEST(Linear, LeavesOtherInputsToLibTorch) {
+  torch::manual_seed(13);
+  const auto w = torch::randn({4, 6}, torch::requires_grad()), b = torch::randn({4}, torch::requires_grad());
+  // A 1-D input and float64: LibTorch's own route, the same values as at::linear.
+  const auto vector = torch::randn({6});
+  EXPECT_TRUE(torch::equal(qkv::detail::linear(vector, w, b), torch::linear(vector, w, b)));
+  const auto x64 = torch::randn({3, 6}, torch::kDouble);
+  EXPECT_FALSE(graph_has(qkv::detail::linear(x64, w.to(torch::kDouble), b.to(torch::kDouble)), "OneDnn"));
+  // Under CPU autocast LibTorch's at::linear casts to bfloat16 (and so must the route).
+  {
+    qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+    const auto y = qkv::detail::linear(torch::randn({2, 3, 6}), w, b);
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+    EXPECT_FALSE(graph_has(y, "OneDnn")) << linear_grad_fn_name(y);
+  }
+  // Empty inputs keep their shape.
+  EXPECT_EQ(qkv::detail::linear(torch::randn({2, 0, 6}), w, b).sizes(), (std::vector<int64_t>{2, 0, 4}));
+  // Mismatched sizes get LibTorch's error, not a product of the wrong sizes.
+  EXPECT_THROW(qkv::detail::linear(torch::randn({3, 5}), w, b), c10::Error);
+}
+
+}  // namespace
