@@ -40,13 +40,14 @@ std::string linear_grad_fn_name(const torch::Tensor& t) { return t.grad_fn() ? t
 
 // Whether y's autograd graph, within its first few nodes, has one named like `name`.
 bool graph_has(const torch::Tensor& y, const std::string& name) {
-  std::vector<std::shared_ptr<torch::autograd::Node>> nodes{y.grad_fn()};
+  // Raw pointers: grad_fn() is a shared_ptr before LibTorch 2.10, an intrusive_ptr after.
+  std::vector<torch::autograd::Node*> nodes{y.grad_fn().get()};
   for (int depth = 0; depth < 3 && !nodes.empty(); ++depth) {
-    std::vector<std::shared_ptr<torch::autograd::Node>> next;
+    std::vector<torch::autograd::Node*> next;
     for (const auto& node : nodes) {
       if (!node) continue;
       if (node->name().find(name) != std::string::npos) return true;
-      for (const auto& edge : node->next_edges()) next.push_back(edge.function);
+      for (const auto& edge : node->next_edges()) next.push_back(edge.function.get());
     }
     nodes = std::move(next);
   }
