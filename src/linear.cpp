@@ -114,8 +114,10 @@ bool onednn_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   if (!float32_on_cpu(x) || !float32_on_cpu(weight)) return false;
   if (bias.defined() && (!float32_on_cpu(bias) || bias.dim() != 1 || bias.size(0) != weight.size(0))) return false;
   if (compat::autocast_enabled(at::kCPU)) return false;  // autocast casts inside at::linear
-  const int64_t K = x.size(-1);
-  return K == weight.size(1) && K > 0 && weight.size(0) > 0 && x.numel() > 0;
+  const int64_t K = x.size(-1), N = weight.size(0);
+  if (K != weight.size(1) || K == 0 || N == 0 || x.numel() == 0) return false;
+  const int64_t M = x.numel() / K;
+  return M >= kOneDnnFromRows && static_cast<double>(M) * K * N >= static_cast<double>(kOneDnnFromMultiplyAdds);
 }
 
 }  // namespace
