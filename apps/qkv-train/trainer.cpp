@@ -258,12 +258,18 @@ class Trainer {
     // True gradients from here on (fp16-mixed: divided by the loss scale, inf/NaN recorded).
     scaler_.unscale_(*optimizer_);
     const bool log_now = step_ % config_.log_every == 0 || step_ == config_.steps;
-    std::vector<double> gradients;
+    std::vector<double> gradients;  // the logged figures: the global norm before clipping, then the task's
     if (log_now && is_main_) {
-      gradients.push_back(global_grad_norm(parameters_));
+      gradients.push_back(0.0);
       for (double figure : task_->gradient_figures()) gradients.push_back(figure);
     }
-    if (task_->max_grad_norm() > 0) torch::nn::utils::clip_grad_norm_(parameters_, task_->max_grad_norm());
+    // Clipping computes the global norm anyway: a logged step takes it from there rather than
+    // walking every gradient once more (a step of the lm logged every step was 1-3% slower).
+    const bool clipping = task_->max_grad_norm() > 0;
+    const double norm = clipping ? torch::nn::utils::clip_grad_norm_(parameters_, task_->max_grad_norm())
+                        : !gradients.empty() ? global_grad_norm(parameters_)
+                                             : 0.0;
+    if (!gradients.empty()) gradients[0] = norm;
     // Apply gradients (fp16-mixed: skipped when a gradient overflowed, and the scale backs off)
     if (!scaler_.step(*optimizer_)) {
       spdlog::debug("step {}: gradients hold inf/NaN at loss scale {}: step skipped", step_, scaler_.get_scale());
