@@ -210,3 +210,26 @@ TEST(Linear, LeavesOtherInputsToLibTorch) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Linear, RunsUnderInferenceModeAndNoGrad) {
+  // Generation runs the model without autograd: the route must give the same values there.
+  torch::manual_seed(14);
+  const auto x = torch::randn({2, 64, 64}), w = torch::randn({96, 64}) / 8.0, b = torch::randn({96});
+  const auto want = torch::linear(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble));
+  const auto tolerance = tolerance_for(torch::kFloat, 64);
+  {
+    c10::InferenceMode inference;
+    EXPECT_LT(relative_error(qkv::detail::linear(x, w, b), want), tolerance);
+  }
+  {
+    torch::NoGradGuard no_grad;
+    const auto leaf = w.clone().requires_grad_(true);
+    const auto y = qkv::detail::linear(x, leaf, b);
+    EXPECT_FALSE(y.requires_grad());
+    EXPECT_LT(relative_error(y, want), tolerance);
+  }
+}
+
+}  // namespace
