@@ -16,10 +16,10 @@ constexpr int64_t kOneDnnFromRows = 4;
 
 /// x Wᵀ + b, the same values and gradients as at::linear, by the fastest route that takes it:
 /// - float32 on the CPU outside autocast, where the process has oneDNN (LibTorch's own, see
-///   kernels/linear/onednn_sgemm.h), for products from kOneDnnFromMultiplyAdds:
-///   oneDNN's GEMM for the product and both gradients' products,
-///   on the input's rows side by side (a non-contiguous input is made contiguous first, as
-///   at::linear does);
+///   kernels/linear/onednn_sgemm.h), for products of at least kOneDnnFromMultiplyAdds and
+///   kOneDnnFromRows: oneDNN's GEMM for the product and both gradients' products, on the input's
+///   rows side by side (a non-contiguous input is made contiguous first, as at::linear does);
+///   second-order gradients (create_graph) on LibTorch's differentiable ops;
 /// - any other input with 3 or more dimensions, contiguous: its rows side by side in one addmm with
 ///   the bias (what PyTorch's Python F.linear does on 2.x; the C++ frontend's nn::Linear multiplies
 ///   first and adds the bias in a second pass, which under bf16 autocast also converts: 3.0 of
@@ -27,7 +27,7 @@ constexpr int64_t kOneDnnFromRows = 4;
 /// - everything else: at::linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
-/// LibTorch's own route only (the reference the tests compare linear() with).
+/// LibTorch's route alone: what linear() does with an input that the oneDNN route does not take.
 at::Tensor linear_by_libtorch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 /// Which library multiplies float32 linear layers on the CPU: "oneDNN 2.6.3", or "LibTorch's (why)".
