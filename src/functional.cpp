@@ -5,9 +5,8 @@
 // D = head width, Dv = value width.
 #include <qkv/functional.h>
 
-#include "linear.h"
-
 #include "kernels/kernels.h"
+#include "kernels/linear/onednn_sgemm.h"
 #include "kernels/tiled/blocks.h"
 #include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/tiled_cpu.h"
@@ -207,7 +206,7 @@ std::string tiled_instruction_set() { return kernels::tiled::isa_name(kernels::t
 
 std::string blas_core() { return kernels::tiled::blas_core(); }
 
-std::string linear_products() { return detail::linear_gemm_description(); }
+std::string linear_products() { return kernels::linear::OneDnnSgemm::instance().description(); }
 
 std::string blas_core_advice() { return kernels::tiled::blas_core_advice(); }
 

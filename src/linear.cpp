@@ -43,11 +43,7 @@ at::Tensor onednn_linear_forward(const at::Tensor& x, const at::Tensor& weight, 
 
 // The autograd of y = x Wᵀ (+ b) on oneDNN; x (M × K) contiguous, weight (N × K), bias (N).
 // LibTorch's Function takes no undefined tensor, so the bias comes in only where there is one.
-void save(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
-  ctx->save_for_backward({x, weight});
-}
-
-// The gradients of x, the weight and (with_bias) the bias.
+// The gradients of x (saved first), the weight (saved second) and (with_bias) the bias.
 torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, const at::Tensor& output_grad,
                                        bool with_bias) {
   const auto saved = ctx->get_saved_variables();
@@ -80,7 +76,7 @@ torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, co
 struct OneDnnLinear : torch::autograd::Function<OneDnnLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias) {
-    save(ctx, x, weight);
+    ctx->save_for_backward({x, weight});
     return onednn_linear_forward(x, weight, bias);  // (M × N)
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
@@ -91,7 +87,7 @@ struct OneDnnLinear : torch::autograd::Function<OneDnnLinear> {
 
 struct OneDnnLinearWithoutBias : torch::autograd::Function<OneDnnLinearWithoutBias> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
-    save(ctx, x, weight);
+    ctx->save_for_backward({x, weight});
     return onednn_linear_forward(x, weight, at::Tensor());  // (M × N)
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
@@ -120,8 +116,7 @@ bool onednn_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   return M >= kOneDnnFromRows && static_cast<double>(M) * K * N >= static_cast<double>(kOneDnnFromMultiplyAdds);
 }
 
-}  // namespace
-
+// LibTorch's route alone: what linear() does with an input that the oneDNN route does not take.
 at::Tensor linear_by_libtorch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (bias.defined() && x.dim() >= 3 && x.is_contiguous() && weight.dim() == 2 && bias.dim() == 1) {
     auto sizes = x.sizes().vec();
@@ -130,6 +125,8 @@ at::Tensor linear_by_libtorch(const at::Tensor& x, const at::Tensor& weight, con
   }
   return at::linear(x, weight, bias);
 }
+
+}  // namespace
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (!onednn_takes(x, weight, bias)) return linear_by_libtorch(x, weight, bias);
@@ -141,7 +138,5 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                                       : OneDnnLinearWithoutBias::apply(rows, weight);  // (M × N)
   return product.view(sizes);
 }
-
-const std::string& linear_gemm_description() { return kernels::linear::OneDnnSgemm::instance().description(); }
 
 }  // namespace qkv::detail

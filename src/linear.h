@@ -3,7 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <string>
+#include <cstdint>
 
 namespace qkv::detail {
 
@@ -26,11 +26,5 @@ constexpr int64_t kOneDnnFromRows = 4;
 ///   68.8 ms of a bf16-mixed SelfAttention step at B=8 N=512 E=256 on LibTorch 1.13, 2026-12-01);
 /// - everything else: at::linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
-
-/// LibTorch's route alone: what linear() does with an input that the oneDNN route does not take.
-at::Tensor linear_by_libtorch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
-
-/// Which library multiplies float32 linear layers on the CPU: "oneDNN 2.6.3", or "LibTorch's (why)".
-const std::string& linear_gemm_description();
 
 }  // namespace qkv::detail

@@ -24,6 +24,7 @@ using qkv::kernels::linear::OneDnnSgemm;
 using qkv_test::relative_error;
 using qkv_test::tolerance_for;
 
+// Written here apart from onednn_sgemm.cpp's own lookup, so that the test does not check that code with itself.
 bool onednn_loaded() {
   bool found = false;
   dl_iterate_phdr(

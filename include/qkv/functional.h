@@ -44,8 +44,9 @@ std::string tiled_instruction_set();
 /// TransformerBlock's MLP): "oneDNN 2.6.3" where the process has LibTorch's oneDNN (Debian's
 /// LibTorch links it), whose GEMM qkv calls for the forward and both gradients' products; otherwise
 /// "LibTorch's (why)": at::addmm / at::linear, OpenBLAS on Debian. The environment variable
-/// QKV_LINEAR_GEMM=libtorch, read once, keeps them on LibTorch's (to compare). Other dtypes,
-/// autocast and other devices always use LibTorch's.
+/// QKV_LINEAR_GEMM=libtorch, read once, keeps them on LibTorch's (to compare). Products under 2^19
+/// multiply-adds or 4 rows (a decoded token's), other dtypes, autocast and other devices always
+/// use LibTorch's.
 std::string linear_products();
 
 /// The CPU OpenBLAS chose its kernels for ("SkylakeX", "Cooperlake", "Zen", ...; "" without
