@@ -11,6 +11,12 @@
 
 #include <type_traits>
 
+// at::parallel_for is an inline `#pragma omp parallel` in an OpenMP build of LibTorch: compiled
+// without OpenMP it is a loop on one thread (src/CMakeLists.txt gives this file -fopenmp).
+#if AT_PARALLEL_OPENMP && defined(QKV_OPENMP_FOUND) && !defined(_OPENMP)
+#error "rope.cpp calls at::parallel_for: compile it with OpenMP (src/CMakeLists.txt), or it runs on one thread"
+#endif
+
 namespace qkv::detail {
 
 namespace {
