@@ -6,7 +6,8 @@
 #include <qkv/functional.h>
 
 #include "kernels/kernels.h"
-#include "kernels/linear/onednn_sgemm.h"
+#include "kernels/linear/onednn_gemm.h"
+#include "linear.h"
 #include "kernels/tiled/blocks.h"
 #include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/tiled_cpu.h"
@@ -206,7 +207,10 @@ std::string tiled_instruction_set() { return kernels::tiled::isa_name(kernels::t
 
 std::string blas_core() { return kernels::tiled::blas_core(); }
 
-std::string linear_products() { return kernels::linear::OneDnnSgemm::instance().description(); }
+std::string linear_products() {
+  const auto& gemm = kernels::linear::OneDnnGemm::instance();
+  return gemm.description() + (gemm.available() && detail::bfloat16_products_on_onednn() ? " (bfloat16 autocast too)" : "");
+}
 
 std::string blas_core_advice() { return kernels::tiled::blas_core_advice(); }
 

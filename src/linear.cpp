@@ -3,17 +3,27 @@
 // M = rows of the input (all leading dimensions), K = in features, N = out features.
 #include "linear.h"
 
-#include "kernels/linear/onednn_sgemm.h"
+#include "kernels/linear/bfloat16_products.h"
+#include "kernels/linear/onednn_gemm.h"
+#include "kernels/tiled/cpu_features.h"
 #include "torch_compat.h"
 
 #include <ATen/Functions.h>
 #include <torch/autograd.h>
 
+#include <optional>
+
 namespace qkv::detail {
+
+using kernels::tiled::ProductIsa;
 
 namespace {
 
-using kernels::linear::OneDnnSgemm;
+using kernels::linear::OneDnnGemm;
+
+// Which of oneDNN's GEMMs a product takes: float32 operands, or operands rounded to bfloat16
+// (CPU autocast to bfloat16); both accumulate and write float32.
+enum class GemmInputs { Float32, BFloat16 };
 
 // A weight (N × K) as oneDNN reads it: its rows (transposed, Wᵀ's columns) or its columns.
 struct WeightOperand {
@@ -29,91 +39,151 @@ WeightOperand weight_operand(const at::Tensor& weight) {
   return {weight.contiguous(), true, K};
 }
 
-// y = x Wᵀ + b on oneDNN; x (M × K) contiguous. Returns (M × N).
+// An operand as the GEMM takes it: float32 as it is, else rounded to bfloat16 (a contiguous
+// float32 one by qkv's vector loop, anything else by LibTorch, strides kept).
+at::Tensor gemm_operand(const at::Tensor& t, GemmInputs inputs) {
+  return inputs == GemmInputs::BFloat16 ? kernels::linear::float32_to(t, at::kBFloat16) : t;
+}
+
+// c (float32, row-major, row stride ldc) = op(a) · op(b) + beta · c on oneDNN, a and b both
+// float32 or both bfloat16 (see OneDnnGemm::multiply).
+void product(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const at::Tensor& a, int64_t lda,
+             const at::Tensor& b, int64_t ldb, float beta, at::Tensor& c, int64_t ldc) {
+  const auto& gemm = OneDnnGemm::instance();
+  if (a.scalar_type() == at::kBFloat16) {
+    const auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    gemm.multiply_bf16(transpose_a, transpose_b, m, n, k, bits(a), lda, bits(b), ldb, beta, c.data_ptr<float>(), ldc);
+  } else {
+    gemm.multiply(transpose_a, transpose_b, m, n, k, a.data_ptr<float>(), lda, b.data_ptr<float>(), ldb, beta,
+                  c.data_ptr<float>(), ldc);
+  }
+}
+
+// y = x Wᵀ + b on oneDNN, in float32; x (M × K) contiguous, x and the weight GEMM operands.
+// Returns (M × N).
 at::Tensor onednn_linear_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const auto w = weight_operand(weight);
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (bias.defined()) y.copy_(bias.expand({M, N}));  // then accumulated into: one pass fewer than adding after
-  OneDnnSgemm::instance().multiply(/*transpose_a=*/false, /*transpose_b=*/w.rows, M, N, K, x.data_ptr<float>(), K,
-                                   w.tensor.data_ptr<float>(), w.ld, bias.defined() ? 1.0f : 0.0f,
-                                   y.data_ptr<float>(), N);
+  product(/*transpose_a=*/false, /*transpose_b=*/w.rows, M, N, K, x, K, w.tensor, w.ld, bias.defined() ? 1.0f : 0.0f,
+          y, N);
   return y;
+}
+
+// The forward of both functions below: saves what the backward needs, returns (M × N) in float32,
+// or in bfloat16 when the inputs were rounded to it (autocast's type for a linear layer's output).
+at::Tensor forward_on_onednn(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& bias, GemmInputs inputs) {
+  const auto x_operand = gemm_operand(x, inputs), w_operand = gemm_operand(weight, inputs);
+  ctx->save_for_backward({x_operand, w_operand});
+  // The gradients go back in the types that came (float32 for autocast's float32 weights).
+  ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+  ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+  ctx->saved_data["b_dtype"] = static_cast<int64_t>(bias.defined() ? bias.scalar_type() : at::kFloat);
+  if (inputs == GemmInputs::Float32) return onednn_linear_forward(x_operand, w_operand, bias);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const auto w = weight_operand(w_operand);
+  return kernels::linear::bfloat16_product(M, N, K, {x_operand, false, K}, {w.tensor, w.rows, w.ld}, bias);
 }
 
 // The autograd of y = x Wᵀ (+ b) on oneDNN; x (M × K) contiguous, weight (N × K), bias (N).
 // LibTorch's Function takes no undefined tensor, so the bias comes in only where there is one.
-// The gradients of x (saved first), the weight (saved second) and (with_bias) the bias.
+// The gradients of x, the weight and (with_bias) the bias, each in its input's type; the products
+// in the forward's GEMM (bfloat16 operands give float32 gradients, rounded only if the input was
+// bfloat16).
 torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, const at::Tensor& output_grad,
                                        bool with_bias) {
   const auto saved = ctx->get_saved_variables();
-  const auto &x = saved[0], &weight = saved[1];
-  const auto grad = output_grad.contiguous();  // (M × N)
+  const auto &x = saved[0], &weight = saved[1];  // as the GEMM took them
+  const auto dtype = [&](const char* key) { return static_cast<at::ScalarType>(ctx->saved_data[key].toInt()); };
+  const auto grad = kernels::linear::float32_to(output_grad, x.scalar_type()).contiguous();  // (M × N), GEMM operand type
   at::Tensor grad_x, grad_weight, grad_bias;
-  if (with_bias && ctx->needs_input_grad(2)) grad_bias = grad.sum(0);
+  const bool bfloat16 = x.scalar_type() == at::kBFloat16;
+  if (with_bias && ctx->needs_input_grad(2)) {
+    grad_bias = (bfloat16 && !torch::GradMode::is_enabled() ? kernels::linear::bfloat16_column_sums(grad)
+                                                             : at::sum(grad, {0}, false, at::kFloat))
+                    .to(dtype("b_dtype"));
+  }
   if (torch::GradMode::is_enabled()) {
     // create_graph: the gradients must themselves be differentiable, so they are LibTorch's ops.
-    if (ctx->needs_input_grad(0)) grad_x = grad.mm(weight);
-    if (ctx->needs_input_grad(1)) grad_weight = grad.t().mm(x);
+    if (ctx->needs_input_grad(0)) grad_x = grad.mm(weight).to(dtype("x_dtype"));
+    if (ctx->needs_input_grad(1)) grad_weight = grad.t().mm(x).to(dtype("w_dtype"));
     return {grad_x, grad_weight, grad_bias};
   }
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const auto& gemm = OneDnnSgemm::instance();
+  const auto float32 = x.options().dtype(at::kFloat);
   if (ctx->needs_input_grad(0)) {  // dx (M × K) = grad (M × N) · W (N × K)
     const auto w = weight_operand(weight);
-    grad_x = at::empty({M, K}, x.options());
-    gemm.multiply(false, /*transpose_b=*/!w.rows, M, K, N, grad.data_ptr<float>(), N, w.tensor.data_ptr<float>(),
-                  w.ld, 0.0f, grad_x.data_ptr<float>(), K);
+    if (dtype("x_dtype") == at::kBFloat16) {  // rounded in cache
+      grad_x = kernels::linear::bfloat16_product(M, K, N, {grad, false, N}, {w.tensor, !w.rows, w.ld}, at::Tensor());
+    } else {
+      grad_x = at::empty({M, K}, float32);
+      product(false, /*transpose_b=*/!w.rows, M, K, N, grad, N, w.tensor, w.ld, 0.0f, grad_x, K);
+      grad_x = grad_x.to(dtype("x_dtype"));
+    }
   }
   if (ctx->needs_input_grad(1)) {  // dW (N × K) = gradᵀ (N × M) · x (M × K)
-    grad_weight = at::empty({N, K}, weight.options());
-    gemm.multiply(/*transpose_a=*/true, false, N, K, M, grad.data_ptr<float>(), N, x.data_ptr<float>(), K, 0.0f,
-                  grad_weight.data_ptr<float>(), K);
+    grad_weight = at::empty({N, K}, float32);
+    product(/*transpose_a=*/true, false, N, K, M, grad, N, x, K, 0.0f, grad_weight, K);
+    grad_weight = kernels::linear::float32_to(grad_weight, dtype("w_dtype"));  // float32 under autocast
   }
   return {grad_x, grad_weight, grad_bias};
 }
 
 struct OneDnnLinear : torch::autograd::Function<OneDnnLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& bias) {
-    ctx->save_for_backward({x, weight});
-    return onednn_linear_forward(x, weight, bias);  // (M × N)
+                            const at::Tensor& bias, GemmInputs inputs) {
+    return forward_on_onednn(ctx, x, weight, bias, inputs);  // (M × N)
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
-    return gradients(ctx, grads[0], /*with_bias=*/true);
+    auto all = gradients(ctx, grads[0], /*with_bias=*/true);
+    return {all[0], all[1], all[2], at::Tensor()};
   }
 };
 
 struct OneDnnLinearWithoutBias : torch::autograd::Function<OneDnnLinearWithoutBias> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
-    ctx->save_for_backward({x, weight});
-    return onednn_linear_forward(x, weight, at::Tensor());  // (M × N)
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            GemmInputs inputs) {
+    return forward_on_onednn(ctx, x, weight, at::Tensor(), inputs);  // (M × N)
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
     auto all = gradients(ctx, grads[0], /*with_bias=*/false);
-    return {all[0], all[1]};
+    return {all[0], all[1], at::Tensor()};
   }
 };
 
-bool float32_on_cpu(const at::Tensor& t) {
-  return t.device().is_cpu() && t.layout() == at::kStrided && t.scalar_type() == at::kFloat && !t.is_neg() &&
-         !t.is_conj();
+// A real CPU tensor of a type the route takes: float32, or (under bfloat16 autocast) bfloat16.
+bool cpu_tensor_of(const at::Tensor& t, bool bfloat16_too) {
+  return t.device().is_cpu() && t.layout() == at::kStrided && !t.is_neg() && !t.is_conj() &&
+         (t.scalar_type() == at::kFloat || (bfloat16_too && t.scalar_type() == at::kBFloat16));
 }
 
-// The contract of the oneDNN route, checked here once; anything else goes to LibTorch, which
-// also gives mismatched shapes their error.
-bool onednn_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  if (!OneDnnSgemm::instance().available()) return false;
-  if (!x.defined() || !weight.defined() || x.dim() < 2 || weight.dim() != 2) return false;
-  if (!float32_on_cpu(x) || !float32_on_cpu(weight)) return false;
-  if (bias.defined() && (!float32_on_cpu(bias) || bias.dim() != 1 || bias.size(0) != weight.size(0))) return false;
-  if (compat::autocast_enabled(at::kCPU)) return false;  // autocast casts inside at::linear
+// The contract of the oneDNN route, checked here once: which GEMM takes the product, if any;
+// anything else goes to LibTorch, which also gives mismatched shapes their error.
+std::optional<GemmInputs> onednn_route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const auto& gemm = OneDnnGemm::instance();
+  if (!gemm.available()) return std::nullopt;
+  if (!x.defined() || !weight.defined() || x.dim() < 2 || weight.dim() != 2) return std::nullopt;
+  // Under autocast LibTorch's at::linear computes in autocast's type: bfloat16 goes to oneDNN's
+  // bfloat16 GEMM where it is the faster (bfloat16_products_on_onednn), anything else stays.
+  const bool autocast = compat::autocast_enabled(at::kCPU);
+  if (autocast && (compat::autocast_dtype(at::kCPU) != at::kBFloat16 || !bfloat16_products_on_onednn())) {
+    return std::nullopt;
+  }
+  if (!cpu_tensor_of(x, autocast) || !cpu_tensor_of(weight, autocast)) return std::nullopt;
+  if (bias.defined() && (!cpu_tensor_of(bias, autocast) || bias.dim() != 1 || bias.size(0) != weight.size(0))) {
+    return std::nullopt;
+  }
   const int64_t K = x.size(-1), N = weight.size(0);
-  if (K != weight.size(1) || K == 0 || N == 0 || x.numel() == 0) return false;
+  if (K != weight.size(1) || K == 0 || N == 0 || x.numel() == 0) return std::nullopt;
   const int64_t M = x.numel() / K;
-  return M >= kOneDnnFromRows && static_cast<double>(M) * K * N >= static_cast<double>(kOneDnnFromMultiplyAdds);
+  if (M < kOneDnnFromRows || static_cast<double>(M) * K * N < static_cast<double>(kOneDnnFromMultiplyAdds)) {
+    return std::nullopt;
+  }
+  return autocast ? GemmInputs::BFloat16 : GemmInputs::Float32;
 }
 
 // LibTorch's route alone: what linear() does with an input that the oneDNN route does not take.
@@ -128,15 +198,23 @@ at::Tensor linear_by_libtorch(const at::Tensor& x, const at::Tensor& weight, con
 
 }  // namespace
 
+bool bfloat16_products_on_onednn() {
+  static const bool chosen = OneDnnGemm::instance().bfloat16_available() &&
+                             kernels::tiled::default_isa(kernels::tiled::detected_isa(),
+                                                         kernels::tiled::cpu_vendor()) == ProductIsa::Avx512Bf16;
+  return chosen;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  if (!onednn_takes(x, weight, bias)) return linear_by_libtorch(x, weight, bias);
+  const auto inputs = onednn_route(x, weight, bias);
+  if (!inputs) return linear_by_libtorch(x, weight, bias);
   const int64_t K = x.size(-1);
   auto sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
   const auto rows = x.contiguous().view({-1, K});  // (M × K)
-  const auto product = bias.defined() ? OneDnnLinear::apply(rows, weight, bias)
-                                      : OneDnnLinearWithoutBias::apply(rows, weight);  // (M × N)
-  return product.view(sizes);
+  const auto y = bias.defined() ? OneDnnLinear::apply(rows, weight, bias, *inputs)
+                                : OneDnnLinearWithoutBias::apply(rows, weight, *inputs);  // (M × N)
+  return y.view(sizes);
 }
 
 }  // namespace qkv::detail

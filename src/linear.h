@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 
 namespace qkv::detail {
 
@@ -14,12 +15,25 @@ namespace qkv::detail {
 constexpr int64_t kOneDnnFromMultiplyAdds = int64_t{1} << 19;
 constexpr int64_t kOneDnnFromRows = 4;
 
+/// Whether products under CPU autocast to bfloat16 go to oneDNN's bfloat16 GEMM: where the process's
+/// oneDNN has one that works, and the CPU multiplies bfloat16 pairs natively without AMX (the tiled
+/// kernel's default instruction set is avx512_bf16: AMD Zen 4 and later). Measured on AMD EPYC Zen
+/// 5, 2 threads, 2026-12-03, the lm's products: oneDNN 2.6.3's dnnl_gemm_bf16bf16f32 at 680–850
+/// GFLOP/s, LibTorch 1.13's bfloat16 matmul (oneDNN's brgemm) 1.2–1.6× slower. Where AMX is
+/// granted, LibTorch's matmul multiplies on the tiles, which oneDNN's GEMM does not; where
+/// vdpbf16ps is no faster than float32 FMAs (Intel without AMX), there is nothing to gain.
+bool bfloat16_products_on_onednn();
+
 /// x Wᵀ + b, the same values and gradients as at::linear, by the fastest route that takes it:
-/// - float32 on the CPU outside autocast, where the process has oneDNN (LibTorch's own, see
-///   kernels/linear/onednn_sgemm.h), for products of at least kOneDnnFromMultiplyAdds and
-///   kOneDnnFromRows: oneDNN's GEMM for the product and both gradients' products, on the input's
-///   rows side by side (a non-contiguous input is made contiguous first, as at::linear does);
-///   second-order gradients (create_graph) on LibTorch's differentiable ops;
+/// - on the CPU where the process has oneDNN (LibTorch's own, see kernels/linear/onednn_gemm.h),
+///   for products of at least kOneDnnFromMultiplyAdds and kOneDnnFromRows: oneDNN's GEMM for the
+///   product and both gradients' products, on the input's rows side by side (a non-contiguous
+///   input is made contiguous first, as at::linear does); second-order gradients (create_graph) on
+///   LibTorch's differentiable ops. Float32 outside autocast; under CPU autocast to bfloat16, where
+///   bfloat16_products_on_onednn(), float32 or bfloat16 inputs rounded to bfloat16 as autocast does,
+///   accumulated in float32 with the bias added in float32, the output in bfloat16 (autocast's type
+///   for it), and each gradient computed in float32 and returned in its input's type (a float32
+///   weight's gradient is not rounded to bfloat16 on the way, as it is under autocast's casts);
 /// - any other input with 3 or more dimensions, contiguous: its rows side by side in one addmm with
 ///   the bias (what PyTorch's Python F.linear does on 2.x; the C++ frontend's nn::Linear multiplies
 ///   first and adds the bias in a second pass, which under bf16 autocast also converts: 3.0 of

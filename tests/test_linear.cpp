@@ -1,9 +1,12 @@
-// Linear layers on oneDNN's GEMM (src/linear.h, src/kernels/linear/onednn_sgemm.h) against a
+// Linear layers on oneDNN's GEMM (src/linear.h, src/kernels/linear/onednn_gemm.h) against a
 // float64 at::linear of the same values: the output and the gradients of the input, the weight and
 // the bias, for inputs and weights as views with every layout the route accepts or normalises
 // (contiguous, transposed, sliced, broadcast), odd sizes, with and without bias; second-order
-// gradients; and what stays on LibTorch's route (autocast, float64, a 1-D input).
-#include "kernels/linear/onednn_sgemm.h"
+// gradients; the bfloat16 route under CPU autocast against float64 of the bfloat16-rounded
+// operands, and its rounding against c10::BFloat16's; and what stays on LibTorch's route (float64,
+// a 1-D input, small products).
+#include "kernels/linear/bfloat16_products.h"
+#include "kernels/linear/onednn_gemm.h"
 #include "linear.h"
 
 #include "support/compare.h"
@@ -20,11 +23,11 @@
 
 namespace {
 
-using qkv::kernels::linear::OneDnnSgemm;
+using qkv::kernels::linear::OneDnnGemm;
 using qkv_test::relative_error;
 using qkv_test::tolerance_for;
 
-// Written here apart from onednn_sgemm.cpp's own lookup, so that the test does not check that code with itself.
+// Written here apart from onednn_gemm.cpp's own lookup, so that the test does not check that code with itself.
 bool onednn_loaded() {
   bool found = false;
   dl_iterate_phdr(
@@ -103,7 +106,7 @@ LinearResult run(F f, const torch::Tensor& x, const torch::Tensor& w, const torc
 
 TEST(Linear, FindsTheOneDnnLibTorchLoaded) {
   // Debian's LibTorch links libdnnl: the route must find it there (and say which one ran).
-  const auto& gemm = OneDnnSgemm::instance();
+  const auto& gemm = OneDnnGemm::instance();
   if (!onednn_loaded()) GTEST_SKIP() << "this LibTorch loads no libdnnl: " << gemm.description();
   EXPECT_TRUE(gemm.available()) << gemm.description();
   EXPECT_EQ(gemm.description().rfind("oneDNN ", 0), 0u) << gemm.description();
@@ -111,7 +114,7 @@ TEST(Linear, FindsTheOneDnnLibTorchLoaded) {
 
 TEST(Linear, MatchesFloat64OverLayoutsAndSizes) {
   torch::manual_seed(11);
-  const bool routed = OneDnnSgemm::instance().available();
+  const bool routed = OneDnnGemm::instance().available();
   struct Shape {
     int64_t batch, rows, in, out;
   };
@@ -176,7 +179,7 @@ TEST(Linear, SecondOrderGradientsMatchFloat64) {
   };
   const auto x = x_values.clone().requires_grad_(true), w = w_values.clone().requires_grad_(true),
              b = b_values.clone().requires_grad_(true);
-  if (OneDnnSgemm::instance().available()) {
+  if (OneDnnGemm::instance().available()) {
     EXPECT_TRUE(graph_has(qkv::detail::linear(x, w, b), "OneDnnLinear"));
   }
   const auto got = penalty(qkv::detail::linear, x, w, b);
@@ -230,6 +233,94 @@ TEST(Linear, RunsUnderInferenceModeAndNoGrad) {
     const auto y = qkv::detail::linear(x, leaf, b);
     EXPECT_FALSE(y.requires_grad());
     EXPECT_LT(relative_error(y, want), tolerance);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Linear, RoundsToBfloat16AsLibTorchDoes) {
+  // The route's own rounding against c10::BFloat16's (LibTorch's Tensor::to): random values over
+  // many magnitudes, ties (the dropped half exactly 0x8000, kept half odd and even), the largest
+  // values, infinities, NaN, subnormals and zeros.
+  torch::manual_seed(15);
+  std::vector<uint32_t> bits{0x3F808000u, 0x3F818000u, 0x3F80FFFFu, 0x3F807FFFu, 0x7F7FFFFFu, 0xFF7FFFFFu,
+                             0x7F800000u, 0xFF800000u, 0x7FC00001u, 0xFF800001u, 0x00000001u, 0x80008000u,
+                             0x00018000u, 0x00000000u, 0x80000000u, 0x7F7F8000u};
+  const auto random = (torch::randn({100000}) * torch::exp(torch::randn({100000}) * 20)).contiguous();
+  auto values = torch::empty({static_cast<int64_t>(bits.size())}, torch::kFloat);
+  std::memcpy(values.data_ptr<float>(), bits.data(), bits.size() * sizeof(uint32_t));
+  const auto all = torch::cat({values, random});
+  const auto got = qkv::kernels::linear::round_to_bfloat16(all);
+  const auto want = all.to(torch::kBFloat16);
+  ASSERT_EQ(got.scalar_type(), torch::kBFloat16);
+  const auto got_bits = got.view(torch::kShort), want_bits = want.view(torch::kShort);
+  const auto nan = torch::isnan(all);
+  // NaN: any quiet NaN will do (payloads differ between LibTorch versions); everything else bit for bit.
+  EXPECT_TRUE(torch::isnan(got.to(torch::kFloat)).equal(nan));
+  EXPECT_TRUE(got_bits.masked_select(~nan).equal(want_bits.masked_select(~nan)));
+}
+
+TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
+  // Under CPU autocast to bfloat16 a linear layer multiplies its operands rounded to bfloat16 and
+  // returns bfloat16: the reference is float64 on the same rounded operands. Where oneDNN's
+  // bfloat16 GEMM takes the product (bfloat16_products_on_onednn) its gradients are float32 for
+  // float32 inputs; on LibTorch's route (other CPUs) the same checks hold within bfloat16's
+  // rounding.
+  torch::manual_seed(16);
+  const bool routed = OneDnnGemm::instance().available() && qkv::detail::bfloat16_products_on_onednn();
+  struct Shape {
+    int64_t batch, rows, in, out;
+  };
+  // 300 rows: one block of 256 and a tail; 4 rows × 512 × 256: the smallest product routed.
+  for (const auto& s : {Shape{2, 64, 128, 384}, Shape{1, 300, 96, 161}, Shape{1, 4, 512, 256}}) {
+    for (auto x_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced}) {
+      for (auto w_layout : {OperandLayout::Contiguous, OperandLayout::Transposed}) {
+        for (auto x_dtype : {torch::kFloat, torch::kBFloat16}) {
+          for (bool bias : {true, false}) {
+            SCOPED_TRACE(testing::Message() << "x (" << s.batch << ", " << s.rows << ", " << s.in << ") "
+                                            << operand_layout_name(x_layout) << " " << x_dtype << ", W (" << s.out
+                                            << ", " << s.in << ") " << operand_layout_name(w_layout)
+                                            << (bias ? ", bias" : ", no bias"));
+            const auto x_values = torch::randn({s.batch, s.rows, s.in}).to(x_dtype).to(torch::kFloat);
+            const auto w_values = torch::randn({s.out, s.in}) / std::sqrt(static_cast<double>(s.in));
+            const auto b_values = torch::randn({s.out});
+            const auto probe = torch::randn({s.batch, s.rows, s.out});
+            const auto x = linear_operand_as(x_values.to(x_dtype), x_layout);
+            const auto w = linear_operand_as(w_values, w_layout);
+            const auto b = bias ? linear_operand_as(b_values, OperandLayout::Contiguous) : torch::Tensor();
+            torch::Tensor y;
+            {
+              qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+              y = qkv::detail::linear(x, w, b);
+            }
+            EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+            EXPECT_EQ(graph_has(y, "OneDnnLinear"), routed) << linear_grad_fn_name(y);
+            (y.to(torch::kFloat) * probe).sum().backward();
+            EXPECT_EQ(x.grad().scalar_type(), x_dtype);
+            EXPECT_EQ(w.grad().scalar_type(), torch::kFloat);
+
+            // float64 of what the product saw: the operands and the output's gradient in bfloat16.
+            const auto rounded = [](const torch::Tensor& t) { return t.to(torch::kBFloat16).to(torch::kDouble); };
+            const auto x64 = rounded(x_values), w64 = rounded(w_values), probe64 = rounded(probe);
+            const auto want_y = torch::linear(x64, w64, bias ? b_values.to(torch::kDouble) : torch::Tensor());
+            const auto rows64 = probe64.reshape({-1, s.out});
+            const auto want_grad_x = probe64.matmul(w64);
+            const auto want_grad_w = rows64.t().mm(x64.reshape({-1, s.in}));
+            // bfloat16's rounding of the output (and of the bias and the gradient on LibTorch's route)
+            // dominates; the sums run over K = in, out or the rows.
+            const auto tolerance = tolerance_for(torch::kBFloat16, std::max({s.in, s.out, s.batch * s.rows}));
+            EXPECT_LT(relative_error(y, want_y), tolerance);
+            EXPECT_LT(relative_error(x.grad(), want_grad_x), tolerance);
+            EXPECT_LT(relative_error(w.grad(), want_grad_w), tolerance);
+            if (bias) {
+              EXPECT_LT(relative_error(b.grad(), rows64.sum(0)), tolerance);
+            }
+          }
+        }
+      }
+    }
   }
 }
 

@@ -40,13 +40,15 @@ AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
 /// to rule one out).
 std::string tiled_instruction_set();
 
-/// Which library multiplies qkv's float32 linear layers on the CPU (W_q, W_k, W_v, W_o, the
+/// Which library multiplies qkv's linear layers on the CPU (W_q, W_k, W_v, W_o, the
 /// TransformerBlock's MLP): "oneDNN 2.6.3" where the process has LibTorch's oneDNN (Debian's
-/// LibTorch links it), whose GEMM qkv calls for the forward and both gradients' products; otherwise
+/// LibTorch links it), whose GEMM qkv calls for the forward and both gradients' products in float32;
+/// "oneDNN 2.6.3 (bfloat16 autocast too)" where products under CPU autocast to bfloat16 also go to
+/// oneDNN's bfloat16 GEMM (a CPU with AVX512_BF16 and no AMX: AMD Zen 4 and later); otherwise
 /// "LibTorch's (why)": at::addmm / at::linear, OpenBLAS on Debian. The environment variable
 /// QKV_LINEAR_GEMM=libtorch, read once, keeps them on LibTorch's (to compare). Products under 2^19
-/// multiply-adds or 4 rows (a decoded token's), other dtypes, autocast and other devices always
-/// use LibTorch's.
+/// multiply-adds or 4 rows (a decoded token's), float16 and float64, and other devices always use
+/// LibTorch's.
 std::string linear_products();
 
 /// The CPU OpenBLAS chose its kernels for ("SkylakeX", "Cooperlake", "Zen", ...; "" without

@@ -1,4 +1,5 @@
-// oneDNN's float32 GEMM, taken from the oneDNN that LibTorch itself loaded. Private to qkv.
+// oneDNN's GEMMs (float32, and bfloat16 inputs accumulated into float32), taken from the oneDNN
+// that LibTorch itself loaded. Private to qkv.
 //
 // Debian's LibTorch links oneDNN (libdnnl) but multiplies float32 matrices with OpenBLAS; on the
 // small-K products of a transformer's linear layers Debian 12's OpenBLAS 0.3.21 reaches about 60%
@@ -8,6 +9,11 @@
 // names. It looks up `dnnl_sgemm` among the libraries already loaded instead; where there is none
 // (a LibTorch with oneDNN linked in statically and hidden, or built without it) the linear layers
 // stay on LibTorch's own products.
+//
+// `dnnl_gemm_bf16bf16f32` is exported by every oneDNN from 1.x to 3.12 with the signature of
+// dnnl_sgemm but bfloat16 A and B (oneDNN's own tests declare it; dnnl.h does not). It is taken
+// only where a 1 × 1 × 1 product through it gives the right value (a oneDNN for a CPU without
+// AVX-512 refuses it).
 #pragma once
 
 #include <cstdint>
@@ -15,14 +21,16 @@
 
 namespace qkv::kernels::linear {
 
-/// The loaded oneDNN's GEMM, or none.
-class OneDnnSgemm {
+/// The loaded oneDNN's GEMMs, or none.
+class OneDnnGemm {
  public:
   /// The process's oneDNN, looked up once (thread-safe); unavailable when QKV_LINEAR_GEMM is set
   /// to "libtorch" in the environment at the first call.
-  static const OneDnnSgemm& instance();
+  static const OneDnnGemm& instance();
 
   bool available() const { return sgemm_ != nullptr; }
+  /// Whether the bfloat16 GEMM is there too, and works on this CPU.
+  bool bfloat16_available() const { return bf16_gemm_ != nullptr; }
   /// "oneDNN 2.6.3", or why it is unavailable.
   const std::string& description() const { return description_; }
 
@@ -33,11 +41,19 @@ class OneDnnSgemm {
   void multiply(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) const;
 
+  /// The same product with A and B in bfloat16 (the raw bits, as c10::BFloat16 stores them),
+  /// accumulated and written in float32. Requires bfloat16_available().
+  void multiply_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const uint16_t* a,
+                     int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) const;
+
  private:
-  OneDnnSgemm();
+  OneDnnGemm();
   using Sgemm = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
                         float, float*, int64_t);
+  using Bf16Gemm = int (*)(char, char, int64_t, int64_t, int64_t, float, const uint16_t*, int64_t, const uint16_t*,
+                           int64_t, float, float*, int64_t);
   Sgemm sgemm_ = nullptr;
+  Bf16Gemm bf16_gemm_ = nullptr;
   std::string description_;
 };
 

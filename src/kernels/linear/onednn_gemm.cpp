@@ -1,5 +1,5 @@
-// Finding the oneDNN that LibTorch loaded (see onednn_sgemm.h).
-#include "kernels/linear/onednn_sgemm.h"
+// Finding the oneDNN that LibTorch loaded (see onednn_gemm.h).
+#include "kernels/linear/onednn_gemm.h"
 
 #include <c10/util/Exception.h>
 
@@ -38,7 +38,7 @@ std::string loaded_onednn_path() {
 
 }  // namespace
 
-OneDnnSgemm::OneDnnSgemm() {
+OneDnnGemm::OneDnnGemm() {
   const char* choice = std::getenv("QKV_LINEAR_GEMM");
   if (choice && std::strcmp(choice, "libtorch") == 0) {
     description_ = "LibTorch's (QKV_LINEAR_GEMM=libtorch)";
@@ -48,11 +48,13 @@ OneDnnSgemm::OneDnnSgemm() {
   // loaded privately (LibTorch opened with RTLD_LOCAL): RTLD_NOLOAD never loads a second one.
   void* symbol = dlsym(RTLD_DEFAULT, "dnnl_sgemm");
   void* version_symbol = dlsym(RTLD_DEFAULT, "dnnl_version");
+  void* bf16_symbol = dlsym(RTLD_DEFAULT, "dnnl_gemm_bf16bf16f32");
   if (!symbol) {
     const auto path = loaded_onednn_path();
     if (void* handle = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_LAZY | RTLD_NOLOAD)) {
       symbol = dlsym(handle, "dnnl_sgemm");
       version_symbol = dlsym(handle, "dnnl_version");
+      bf16_symbol = dlsym(handle, "dnnl_gemm_bf16bf16f32");
       // The handle stays open: the library is LibTorch's and lives as long as the process.
     }
   }
@@ -61,6 +63,14 @@ OneDnnSgemm::OneDnnSgemm() {
     return;
   }
   sgemm_ = reinterpret_cast<Sgemm>(symbol);
+  if (bf16_symbol) {
+    // 1.5 · 2 + 1 = 4, every value exact in bfloat16: a oneDNN that refuses (no AVX-512) or
+    // computes something else is not used.
+    const auto bf16 = reinterpret_cast<Bf16Gemm>(bf16_symbol);
+    const uint16_t a = 0x3FC0, b = 0x4000;  // 1.5, 2.0
+    float c = 1.0f;
+    if (bf16('N', 'N', 1, 1, 1, 1.0f, &a, 1, &b, 1, 1.0f, &c, 1) == 0 && c == 4.0f) bf16_gemm_ = bf16;
+  }
   description_ = "oneDNN";
   if (version_symbol) {
     const auto* version = reinterpret_cast<const DnnlVersion* (*)()>(version_symbol)();
@@ -71,18 +81,30 @@ OneDnnSgemm::OneDnnSgemm() {
   }
 }
 
-const OneDnnSgemm& OneDnnSgemm::instance() {
-  static const OneDnnSgemm found;
+const OneDnnGemm& OneDnnGemm::instance() {
+  static const OneDnnGemm found;
   return found;
 }
 
-void OneDnnSgemm::multiply(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a,
+void OneDnnGemm::multiply(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a,
                            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) const {
-  TORCH_CHECK(sgemm_ && m > 0 && n > 0 && k > 0, "qkv: OneDnnSgemm::multiply needs oneDNN (", description_,
+  TORCH_CHECK(sgemm_ && m > 0 && n > 0 && k > 0, "qkv: OneDnnGemm::multiply needs oneDNN (", description_,
               ") and m, n, k > 0, got ", m, ", ", n, ", ", k);
   const int status =
       sgemm_(transpose_a ? 'T' : 'N', transpose_b ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
   TORCH_CHECK(status == 0, "qkv: oneDNN's dnnl_sgemm refused a ", m, "x", k, " by ", k, "x", n,
+              " product (transa ", transpose_a, ", transb ", transpose_b, ", lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
+              "): status ", status);
+}
+
+void OneDnnGemm::multiply_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k,
+                               const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
+                               int64_t ldc) const {
+  TORCH_CHECK(bf16_gemm_ && m > 0 && n > 0 && k > 0, "qkv: OneDnnGemm::multiply_bf16 needs oneDNN's bfloat16 GEMM (",
+              description_, ") and m, n, k > 0, got ", m, ", ", n, ", ", k);
+  const int status =
+      bf16_gemm_(transpose_a ? 'T' : 'N', transpose_b ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+  TORCH_CHECK(status == 0, "qkv: oneDNN's dnnl_gemm_bf16bf16f32 refused a ", m, "x", k, " by ", k, "x", n,
               " product (transa ", transpose_a, ", transb ", transpose_b, ", lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
               "): status ", status);
 }

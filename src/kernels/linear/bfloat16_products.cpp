@@ -1,0 +1,108 @@
+// bfloat16 products rounded in cache (see bfloat16_products.h).
+#include "kernels/linear/bfloat16_products.h"
+
+#include "kernels/linear/onednn_gemm.h"
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+// at::parallel_for is an inline `#pragma omp parallel` in an OpenMP build of LibTorch: compiled
+// without OpenMP it is a loop on one thread (src/CMakeLists.txt gives this file -fopenmp).
+#if AT_PARALLEL_OPENMP && defined(QKV_OPENMP_FOUND) && !defined(_OPENMP)
+#error "bfloat16_products.cpp calls at::parallel_for: compile it with OpenMP (src/CMakeLists.txt)"
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define QKV_ROUNDING_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define QKV_ROUNDING_CLONES
+#endif
+
+namespace qkv::kernels::linear {
+
+namespace {
+
+// Values per task of at::parallel_for for a rounding pass: enough to pay for another thread.
+constexpr int64_t kRoundingGrain = 1 << 15;
+
+// Rows per task of a product: its float32 block (256 × 512 × 4 bytes at the lm's widest) stays in
+// a core's L2 until it is rounded; measured on AMD EPYC Zen 5 (2 threads, 4096 rows, 128 → 512)
+// 256-row blocks as fast as one call over all rows.
+constexpr int64_t kRowsPerTask = 256;
+
+// Round to nearest, ties to even, on the bits: adding 0x7FFF plus the lowest kept bit carries
+// into the kept half exactly when the dropped half is above the midpoint, or at it with an odd
+// kept half. A NaN becomes the quiet NaN 0x7FC0, as c10::BFloat16's conversion makes it.
+QKV_ROUNDING_CLONES void round_values(const float* __restrict from, uint16_t* __restrict into, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, from + i, sizeof bits);
+    const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    into[i] = nan ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+  }
+}
+
+const uint16_t* bits_of(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+}  // namespace
+
+at::Tensor round_to_bfloat16(const at::Tensor& t) {
+  if (t.scalar_type() != at::kFloat || !t.is_contiguous() || !t.device().is_cpu()) return t.to(at::kBFloat16);
+  auto out = at::empty(t.sizes(), t.options().dtype(at::kBFloat16));
+  const float* from = t.data_ptr<float>();
+  auto* into = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, t.numel(), kRoundingGrain,
+                   [&](int64_t begin, int64_t end) { round_values(from + begin, into + begin, end - begin); });
+  return out;
+}
+
+at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype) {
+  if (t.scalar_type() == dtype) return t;
+  return dtype == at::kBFloat16 ? round_to_bfloat16(t) : t.to(dtype);
+}
+
+at::Tensor bfloat16_product(int64_t m, int64_t n, int64_t k, const Bf16Operand& a, const Bf16Operand& b,
+                            const at::Tensor& bias) {
+  TORCH_CHECK(!a.transposed, "qkv: bfloat16_product splits the rows of its left operand: it cannot be transposed");
+  const auto& gemm = OneDnnGemm::instance();
+  auto out = at::empty({m, n}, a.tensor.options().dtype(at::kBFloat16));
+  const auto bias_values = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
+  const float* bias_row = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
+  const uint16_t *a_bits = bits_of(a.tensor), *b_bits = bits_of(b.tensor);
+  auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
+  // Inside a task oneDNN's GEMM sees it runs in a parallel region and stays on the task's thread.
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> block(static_cast<size_t>(std::min(kRowsPerTask, m) * n));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t first = task * kRowsPerTask, rows = std::min(kRowsPerTask, m - first);
+      if (bias_row) {
+        for (int64_t r = 0; r < rows; ++r) std::copy(bias_row, bias_row + n, block.data() + r * n);
+      }
+      gemm.multiply_bf16(false, b.transposed, rows, n, k, a_bits + first * a.ld, a.ld, b_bits, b.ld,
+                         bias_row ? 1.0f : 0.0f, block.data(), n);
+      round_values(block.data(), out_bits + first * n, rows * n);
+    }
+  });
+  return out;
+}
+
+at::Tensor bfloat16_column_sums(const at::Tensor& rows) {
+  TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && rows.dim() == 2 && rows.is_contiguous(),
+              "qkv: bfloat16_column_sums expected a contiguous bfloat16 matrix, got ", rows.scalar_type(), " ",
+              rows.sizes());
+  const int64_t m = rows.size(0), n = rows.size(1);
+  auto sums = at::empty({n}, rows.options().dtype(at::kFloat));
+  const auto ones = at::ones({m}, rows.options());
+  // (1 × n) = ones (1 × m) · rows (m × n)
+  OneDnnGemm::instance().multiply_bf16(false, false, 1, n, m, bits_of(ones), m, bits_of(rows), n, 0.0f,
+                                       sums.data_ptr<float>(), n);
+  return sums;
+}
+
+}  // namespace qkv::kernels::linear

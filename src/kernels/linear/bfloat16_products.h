@@ -1,0 +1,45 @@
+// The linear layers' bfloat16 products (CPU autocast to bfloat16) on oneDNN's bfloat16 GEMM, with
+// their float32 results rounded to bfloat16 while they are still in cache. Private to qkv.
+//
+// oneDNN's GEMM API writes float32. Written whole and rounded in a second pass, the lm's outputs
+// went to memory and back (4 + 4 + 2 bytes a value against 2): as slow as LibTorch's bfloat16
+// matmul, whose oneDNN primitive writes bfloat16 itself. Here each task multiplies a block of rows
+// into a float32 scratch of its own and rounds it into the output at once. LibTorch 1.13's own
+// conversion (Tensor::to(kBFloat16)) rounds one value at a time (1.17 ms for 2M values on AMD EPYC
+// Zen 5, 2 threads, 2026-12-03); round_to_bfloat16 is the same rounding in a vector loop.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace qkv::kernels::linear {
+
+/// `t` (float32) rounded to bfloat16 to nearest, ties to even, a NaN kept a (quiet) NaN: the same
+/// bits as c10::BFloat16's conversion. A contiguous float32 CPU tensor by qkv's loop, anything else
+/// by t.to(kBFloat16).
+at::Tensor round_to_bfloat16(const at::Tensor& t);
+
+/// `t` (float32) in `dtype`: round_to_bfloat16 for bfloat16, else t.to(dtype).
+at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype);
+
+/// A bfloat16 matrix operand of a product: row-major with row stride `ld`, or (transposed) its
+/// transpose stored so.
+struct Bf16Operand {
+  const at::Tensor& tensor;  // bfloat16
+  bool transposed = false;
+  int64_t ld = 0;
+};
+
+/// (m × n) bfloat16 = round(op(a) (m × k) · op(b) (k × n) + bias), accumulated in float32 by
+/// oneDNN's bfloat16 GEMM (OneDnnGemm::multiply_bf16, which must be available), the bias (float32
+/// or bfloat16, n values, or undefined) added in float32 before the one rounding. `a` must not be
+/// transposed (its rows are split among the threads).
+at::Tensor bfloat16_product(int64_t m, int64_t n, int64_t k, const Bf16Operand& a, const Bf16Operand& b,
+                            const at::Tensor& bias);
+
+/// The float32 sums of the columns of a (m × n) contiguous bfloat16 matrix, as one GEMM with a row
+/// of ones: (n).
+at::Tensor bfloat16_column_sums(const at::Tensor& rows);
+
+}  // namespace qkv::kernels::linear
