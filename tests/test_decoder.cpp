@@ -194,36 +194,42 @@ TEST(RotaryPositions, OnePassRotationEqualsTheRotationByHand) {
                                       by_hand(x[0], float_table.cos, float_table.sin), 1e-6));
 }
 
-// float32, the module's default: rows compiled for the CPU's widest vectors (AVX-512: 16 pairs a
-// vector; AVX2: 8), so head widths with a whole number of vectors, a tail after them, and fewer
-// pairs than one vector, in both layouts the module hands over, forward and backward (the inverse
-// rotation), against the rotation by hand in float64. Each output is two products and a sum of
-// float32 values (|x| ≤ a few, |cos|, |sin| ≤ 1): a few units of float32 rounding.
-TEST(RotaryPositions, Float32RowsOfEveryWidthMatchFloat64) {
+// float32, the module's default, and bfloat16 (autocast's): rows compiled for the CPU's widest
+// vectors (AVX-512: 16 pairs a vector; AVX2: 8), so head widths with a whole number of vectors, a
+// tail after them, and fewer pairs than one vector, in both layouts the module hands over, forward
+// and backward (the inverse rotation), against the rotation by hand in float64 of the same (for
+// bfloat16: rounded) values. Each output is two products and a sum of float32 values (|x| ≤ a few,
+// |cos|, |sin| ≤ 1): a few units of float32 rounding, then bfloat16's one rounding.
+TEST(RotaryPositions, RowsOfEveryWidthMatchFloat64) {
   torch::manual_seed(17);
   const int64_t B = 2, H = 3, N = 11;
-  for (const int64_t D : {int64_t{2}, int64_t{8}, int64_t{32}, int64_t{34}, int64_t{48}, int64_t{66}, int64_t{128}}) {
-    const int64_t half = D / 2;
-    const auto table64 = qkv::detail::rope_table(/*offset=*/3, N, D, 10000.0, torch::kDouble, torch::kCPU);
-    const auto table32 = qkv::detail::rope_table(/*offset=*/3, N, D, 10000.0, torch::kFloat, torch::kCPU);
-    const auto by_hand = [&](const torch::Tensor& x) {
-      const auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-      return torch::cat({x1 * table64.cos - x2 * table64.sin, x2 * table64.cos + x1 * table64.sin}, -1);
-    };
-    for (const bool split_heads : {true, false}) {
-      SCOPED_TRACE("D = " + std::to_string(D) + (split_heads ? ", split heads" : ", contiguous"));
-      auto storage = (split_heads ? torch::randn({B, N, H, D}) : torch::randn({B, H, N, D})).requires_grad_(true);
-      const auto x = split_heads ? storage.transpose(1, 2) : storage;  // (B, H, N, D)
-      const auto upstream = torch::randn({B, H, N, D});
-      const auto rotated = qkv::detail::apply_rope(x, table32);
-      EXPECT_EQ(rotated.scalar_type(), torch::kFloat);
-      EXPECT_TRUE(qkv_test::tensors_close(rotated.to(torch::kDouble), by_hand(x.detach().to(torch::kDouble)), 1e-6));
-      const auto grad = torch::autograd::grad({(rotated * upstream).sum()}, {storage})[0];
-      const auto storage64 = storage.detach().to(torch::kDouble).requires_grad_(true);
-      const auto x64 = split_heads ? storage64.transpose(1, 2) : storage64;
-      const auto grad_by_hand =
-          torch::autograd::grad({(by_hand(x64) * upstream.to(torch::kDouble)).sum()}, {storage64})[0];
-      EXPECT_TRUE(qkv_test::tensors_close(grad.to(torch::kDouble), grad_by_hand, 1e-6)) << "gradient";
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    const double tolerance = dtype == torch::kFloat ? 1e-6 : qkv_test::tolerance_for(torch::kBFloat16, 2);
+    for (const int64_t D : {int64_t{2}, int64_t{8}, int64_t{32}, int64_t{34}, int64_t{48}, int64_t{66}, int64_t{128}}) {
+      const int64_t half = D / 2;
+      const auto table64 = qkv::detail::rope_table(/*offset=*/3, N, D, 10000.0, torch::kDouble, torch::kCPU);
+      const auto table = qkv::detail::rope_table(/*offset=*/3, N, D, 10000.0, dtype, torch::kCPU);
+      const auto by_hand = [&](const torch::Tensor& x) {
+        const auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
+        return torch::cat({x1 * table64.cos - x2 * table64.sin, x2 * table64.cos + x1 * table64.sin}, -1);
+      };
+      for (const bool split_heads : {true, false}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + ", D = " + std::to_string(D) +
+                     (split_heads ? ", split heads" : ", contiguous"));
+        auto storage = (split_heads ? torch::randn({B, N, H, D}) : torch::randn({B, H, N, D})).to(dtype).requires_grad_(true);
+        const auto x = split_heads ? storage.transpose(1, 2) : storage;  // (B, H, N, D)
+        const auto upstream = torch::randn({B, H, N, D}).to(dtype);
+        const auto rotated = qkv::detail::apply_rope(x, table);
+        EXPECT_EQ(rotated.scalar_type(), dtype);
+        EXPECT_TRUE(
+            qkv_test::tensors_close(rotated.to(torch::kDouble), by_hand(x.detach().to(torch::kDouble)), tolerance));
+        const auto grad = torch::autograd::grad({(rotated * upstream).sum()}, {storage})[0];
+        const auto storage64 = storage.detach().to(torch::kDouble).requires_grad_(true);
+        const auto x64 = split_heads ? storage64.transpose(1, 2) : storage64;
+        const auto grad_by_hand =
+            torch::autograd::grad({(by_hand(x64) * upstream.to(torch::kDouble)).sum()}, {storage64})[0];
+        EXPECT_TRUE(qkv_test::tensors_close(grad.to(torch::kDouble), grad_by_hand, tolerance)) << "gradient";
+      }
     }
   }
 }

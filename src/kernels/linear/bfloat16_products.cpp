@@ -1,13 +1,13 @@
 // bfloat16 products rounded in cache (see bfloat16_products.h).
 #include "kernels/linear/bfloat16_products.h"
 
+#include "kernels/bfloat16_bits.h"
 #include "kernels/linear/onednn_gemm.h"
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 // at::parallel_for is an inline `#pragma omp parallel` in an OpenMP build of LibTorch: compiled
@@ -34,17 +34,8 @@ constexpr int64_t kRoundingGrain = 1 << 15;
 // 256-row blocks as fast as one call over all rows.
 constexpr int64_t kRowsPerTask = 256;
 
-// Round to nearest, ties to even, on the bits: adding 0x7FFF plus the lowest kept bit carries
-// into the kept half exactly when the dropped half is above the midpoint, or at it with an odd
-// kept half. A NaN becomes the quiet NaN 0x7FC0, as c10::BFloat16's conversion makes it.
 QKV_ROUNDING_CLONES void round_values(const float* __restrict from, uint16_t* __restrict into, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, from + i, sizeof bits);
-    const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    into[i] = nan ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-  }
+  for (int64_t i = 0; i < count; ++i) into[i] = float_to_bfloat16_bits(from[i]);
 }
 
 const uint16_t* bits_of(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
