@@ -76,7 +76,9 @@ at::Tensor onednn_linear_forward(const at::Tensor& x, const at::Tensor& weight, 
 at::Tensor forward_on_onednn(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                              const at::Tensor& bias, GemmInputs inputs) {
   const auto x_operand = gemm_operand(x, inputs), w_operand = gemm_operand(weight, inputs);
-  ctx->save_for_backward({x_operand, w_operand});
+  // The operands for the backward's products; the inputs themselves (the same tensors in float32)
+  // for a create_graph backward, whose gradients must reach them through autograd.
+  ctx->save_for_backward({x_operand, w_operand, x, weight});
   // The gradients go back in the types that came (float32 for autocast's float32 weights).
   ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
   ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
@@ -97,19 +99,22 @@ torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, co
   const auto saved = ctx->get_saved_variables();
   const auto &x = saved[0], &weight = saved[1];  // as the GEMM took them
   const auto dtype = [&](const char* key) { return static_cast<at::ScalarType>(ctx->saved_data[key].toInt()); };
-  const auto grad = kernels::linear::float32_to(output_grad, x.scalar_type()).contiguous();  // (M × N), GEMM operand type
+  const auto operand_type = x.scalar_type();
   at::Tensor grad_x, grad_weight, grad_bias;
-  const bool bfloat16 = x.scalar_type() == at::kBFloat16;
-  if (with_bias && ctx->needs_input_grad(2)) {
-    grad_bias = (bfloat16 && !torch::GradMode::is_enabled() ? kernels::linear::bfloat16_column_sums(grad)
-                                                             : at::sum(grad, {0}, false, at::kFloat))
-                    .to(dtype("b_dtype"));
-  }
   if (torch::GradMode::is_enabled()) {
-    // create_graph: the gradients must themselves be differentiable, so they are LibTorch's ops.
-    if (ctx->needs_input_grad(0)) grad_x = grad.mm(weight).to(dtype("x_dtype"));
-    if (ctx->needs_input_grad(1)) grad_weight = grad.t().mm(x).to(dtype("w_dtype"));
+    // create_graph: the gradients must themselves be differentiable, so they are LibTorch's ops on
+    // the inputs themselves, rounded by LibTorch's (recorded) conversion where the GEMM rounded.
+    const auto &x_input = saved[2], &w_input = saved[3];
+    const auto grad = output_grad.to(operand_type);  // (M × N)
+    if (with_bias && ctx->needs_input_grad(2)) grad_bias = at::sum(grad, {0}, false, at::kFloat).to(dtype("b_dtype"));
+    if (ctx->needs_input_grad(0)) grad_x = grad.mm(w_input.to(operand_type)).to(dtype("x_dtype"));
+    if (ctx->needs_input_grad(1)) grad_weight = grad.t().mm(x_input.to(operand_type)).to(dtype("w_dtype"));
     return {grad_x, grad_weight, grad_bias};
+  }
+  const auto grad = kernels::linear::float32_to(output_grad, operand_type).contiguous();  // (M × N)
+  if (with_bias && ctx->needs_input_grad(2)) {
+    grad_bias = (operand_type == at::kBFloat16 ? kernels::linear::bfloat16_column_sums(grad) : grad.sum(0))
+                    .to(dtype("b_dtype"));
   }
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const auto float32 = x.options().dtype(at::kFloat);

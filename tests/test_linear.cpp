@@ -325,3 +325,43 @@ TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Linear, Bfloat16SecondOrderGradientsReachTheInputs) {
+  // A gradient penalty under bfloat16 autocast: the create_graph backward must carry the weight's
+  // and the bias's second-order terms (the route's bfloat16 operands are copies made inside the
+  // function, so its backward works on the inputs themselves). Against float64 on the rounded
+  // operands, within bfloat16's rounding.
+  torch::manual_seed(17);
+  const auto x_values = torch::randn({2, 64, 64}).to(torch::kBFloat16).to(torch::kFloat);
+  const auto w_values = (torch::randn({96, 64}) / 8.0).to(torch::kBFloat16).to(torch::kFloat);
+  const auto b_values = torch::randn({96});
+  const auto x = x_values.clone().requires_grad_(true), w = w_values.clone().requires_grad_(true),
+             b = b_values.clone().requires_grad_(true);
+  torch::Tensor y;
+  {
+    qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+    y = qkv::detail::linear(x, w, b);
+  }
+  EXPECT_EQ(graph_has(y, "OneDnnLinear"),
+            OneDnnGemm::instance().available() && qkv::detail::bfloat16_products_on_onednn());
+  const auto grad_x = torch::autograd::grad({y.to(torch::kFloat).pow(2).sum()}, {x}, {}, /*retain_graph=*/true,
+                                            /*create_graph=*/true)[0];
+  grad_x.pow(2).sum().backward();
+
+  const auto x64 = x_values.to(torch::kDouble).requires_grad_(true),
+             w64 = w_values.to(torch::kDouble).requires_grad_(true),
+             b64 = b_values.to(torch::kDouble).requires_grad_(true);
+  const auto y64 = torch::linear(x64, w64, b64);
+  const auto grad_x64 = torch::autograd::grad({y64.pow(2).sum()}, {x64}, {}, true, true)[0];
+  grad_x64.pow(2).sum().backward();
+  // The penalty's gradients pass through y's and grad_x's bfloat16 roundings (and LibTorch's
+  // bfloat16 products in the create_graph backward): bfloat16's tolerance over K = 96 sums.
+  const auto tolerance = tolerance_for(torch::kBFloat16, 128);
+  EXPECT_LT(relative_error(w.grad(), w64.grad()), tolerance);
+  EXPECT_LT(relative_error(b.grad(), b64.grad(), /*scale=*/qkv_test::max_abs(w64.grad())), tolerance);
+  EXPECT_GT(qkv_test::max_abs(w.grad()), 0.0);
+}
+
+}  // namespace
