@@ -10,8 +10,9 @@
 // (a LibTorch with oneDNN linked in statically and hidden, or built without it) the linear layers
 // stay on LibTorch's own products.
 //
-// `dnnl_gemm_bf16bf16f32` is exported by every oneDNN from 1.x to 3.12 with the signature of
-// dnnl_sgemm but bfloat16 A and B (oneDNN's own tests declare it; dnnl.h does not). It is taken
+// `dnnl_gemm_bf16bf16f32`, with the signature of dnnl_sgemm but bfloat16 A and B (oneDNN's own
+// tests declare it; dnnl.h does not), is exported by the oneDNNs of Debian 12, 13 and unstable
+// (2.6.3, 3.7, 3.12). It is taken
 // only where a 1 × 1 × 1 product through it gives the right value (a oneDNN for a CPU without
 // AVX-512 refuses it).
 #pragma once
