@@ -165,7 +165,12 @@ AttentionBackend auto_backend(const torch::Tensor& q, const torch::Tensor& k,
     // operations cost a little less than setting up the kernel (docs/PERFORMANCE.md, "Decoding").
     // With gradients it stays on the tiled kernel, which (unlike LibTorch's fused CPU kernel)
     // also gives second-order gradients.
-    if (q.size(-2) == 1 && !needs_grad) return fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
+    // Not in bfloat16 where LibTorch's bfloat16 products are its own slow loops (no AVX-512).
+    const bool libtorch_bfloat16_slow =
+        q.scalar_type() == torch::kBFloat16 && kernels::tiled::libtorch_bfloat16_on_own_loops();
+    if (q.size(-2) == 1 && !needs_grad && !libtorch_bfloat16_slow) {
+      return fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
+    }
     // Faster than the math path at every size from N = 4 to 4096, forward and backward, on the
     // 2-core development machine (docs/PERFORMANCE.md, "Choosing the CPU backend").
     return AttentionBackend::Tiled;
@@ -209,7 +214,14 @@ std::string blas_core() { return kernels::tiled::blas_core(); }
 
 std::string linear_products() {
   const auto& gemm = kernels::linear::OneDnnGemm::instance();
-  return gemm.description() + (gemm.available() && detail::bfloat16_products_on_onednn() ? " (bfloat16 autocast too)" : "");
+  if (!gemm.available()) return gemm.description();
+  switch (detail::bfloat16_products()) {
+    case detail::Bfloat16Products::OneDnnBfloat16: return gemm.description() + " (bfloat16 autocast too)";
+    case detail::Bfloat16Products::Float32:
+      return gemm.description() + " (bfloat16 autocast too, on the float32 GEMM: no bfloat16 instructions)";
+    case detail::Bfloat16Products::LibTorch: break;
+  }
+  return gemm.description();
 }
 
 std::string blas_core_advice() { return kernels::tiled::blas_core_advice(); }

@@ -15,15 +15,21 @@
 
 namespace qkv::detail {
 
+using kernels::tiled::at_least;
 using kernels::tiled::ProductIsa;
 
 namespace {
 
 using kernels::linear::OneDnnGemm;
 
-// Which of oneDNN's GEMMs a product takes: float32 operands, or operands rounded to bfloat16
-// (CPU autocast to bfloat16); both accumulate and write float32.
-enum class GemmInputs { Float32, BFloat16 };
+// What a product's operands are and which of oneDNN's GEMMs takes them; all accumulate and write
+// float32. Under CPU autocast to bfloat16 the operands are rounded to bfloat16 (bfloat16_products()
+// says which GEMM multiplies them).
+enum class GemmInputs {
+  Float32,           // as they come, on the float32 GEMM
+  BFloat16,          // rounded to bfloat16, on the bfloat16 GEMM
+  BFloat16InFloat32  // rounded to bfloat16 but held in float32, on the float32 GEMM
+};
 
 // A weight (N × K) as oneDNN reads it: its rows (transposed, Wᵀ's columns) or its columns.
 struct WeightOperand {
@@ -40,9 +46,25 @@ WeightOperand weight_operand(const at::Tensor& weight) {
 }
 
 // An operand as the GEMM takes it: float32 as it is, else rounded to bfloat16 (a contiguous
-// float32 one by qkv's vector loop, anything else by LibTorch, strides kept).
+// float32 one by qkv's vector loops, anything else by LibTorch, strides kept), in bfloat16 or held
+// in float32.
 at::Tensor gemm_operand(const at::Tensor& t, GemmInputs inputs) {
-  return inputs == GemmInputs::BFloat16 ? kernels::linear::float32_to(t, at::kBFloat16) : t;
+  switch (inputs) {
+    case GemmInputs::Float32: return t;
+    case GemmInputs::BFloat16: return kernels::linear::float32_to(t, at::kBFloat16);
+    case GemmInputs::BFloat16InFloat32: return kernels::linear::bfloat16_values(t);
+  }
+  return t;
+}
+
+// The same rounding by LibTorch's differentiable ops (a create_graph backward's operands).
+at::Tensor differentiable_gemm_operand(const at::Tensor& t, GemmInputs inputs) {
+  switch (inputs) {
+    case GemmInputs::Float32: return t;
+    case GemmInputs::BFloat16: return t.to(at::kBFloat16);
+    case GemmInputs::BFloat16InFloat32: return t.to(at::kBFloat16).to(at::kFloat);
+  }
+  return t;
 }
 
 // c (float32, row-major, row stride ldc) = op(a) · op(b) + beta · c on oneDNN, a and b both
@@ -72,7 +94,7 @@ at::Tensor onednn_linear_forward(const at::Tensor& x, const at::Tensor& weight, 
 }
 
 // The forward of both functions below: saves what the backward needs, returns (M × N) in float32,
-// or in bfloat16 when the inputs were rounded to it (autocast's type for a linear layer's output).
+// or in bfloat16 when the operands were rounded to it (autocast's type for a linear layer's output).
 at::Tensor forward_on_onednn(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                              const at::Tensor& bias, GemmInputs inputs) {
   const auto x_operand = gemm_operand(x, inputs), w_operand = gemm_operand(weight, inputs);
@@ -83,6 +105,7 @@ at::Tensor forward_on_onednn(torch::autograd::AutogradContext* ctx, const at::Te
   ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
   ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
   ctx->saved_data["b_dtype"] = static_cast<int64_t>(bias.defined() ? bias.scalar_type() : at::kFloat);
+  ctx->saved_data["inputs"] = static_cast<int64_t>(inputs);
   if (inputs == GemmInputs::Float32) return onednn_linear_forward(x_operand, w_operand, bias);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const auto w = weight_operand(w_operand);
@@ -99,19 +122,24 @@ torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, co
   const auto saved = ctx->get_saved_variables();
   const auto &x = saved[0], &weight = saved[1];  // as the GEMM took them
   const auto dtype = [&](const char* key) { return static_cast<at::ScalarType>(ctx->saved_data[key].toInt()); };
+  const auto inputs = static_cast<GemmInputs>(ctx->saved_data["inputs"].toInt());
   const auto operand_type = x.scalar_type();
   at::Tensor grad_x, grad_weight, grad_bias;
   if (torch::GradMode::is_enabled()) {
     // create_graph: the gradients must themselves be differentiable, so they are LibTorch's ops on
     // the inputs themselves, rounded by LibTorch's (recorded) conversion where the GEMM rounded.
     const auto &x_input = saved[2], &w_input = saved[3];
-    const auto grad = output_grad.to(operand_type);  // (M × N)
+    const auto grad = differentiable_gemm_operand(output_grad, inputs);  // (M × N)
     if (with_bias && ctx->needs_input_grad(2)) grad_bias = at::sum(grad, {0}, false, at::kFloat).to(dtype("b_dtype"));
-    if (ctx->needs_input_grad(0)) grad_x = grad.mm(w_input.to(operand_type)).to(dtype("x_dtype"));
-    if (ctx->needs_input_grad(1)) grad_weight = grad.t().mm(x_input.to(operand_type)).to(dtype("w_dtype"));
+    if (ctx->needs_input_grad(0)) {
+      grad_x = grad.mm(differentiable_gemm_operand(w_input, inputs)).to(dtype("x_dtype"));
+    }
+    if (ctx->needs_input_grad(1)) {
+      grad_weight = grad.t().mm(differentiable_gemm_operand(x_input, inputs)).to(dtype("w_dtype"));
+    }
     return {grad_x, grad_weight, grad_bias};
   }
-  const auto grad = kernels::linear::float32_to(output_grad, operand_type).contiguous();  // (M × N)
+  const auto grad = gemm_operand(output_grad, inputs).contiguous();  // (M × N), in operand_type
   if (with_bias && ctx->needs_input_grad(2)) {
     grad_bias = (operand_type == at::kBFloat16 ? kernels::linear::bfloat16_column_sums(grad) : grad.sum(0))
                     .to(dtype("b_dtype"));
@@ -172,10 +200,11 @@ std::optional<GemmInputs> onednn_route(const at::Tensor& x, const at::Tensor& we
   const auto& gemm = OneDnnGemm::instance();
   if (!gemm.available()) return std::nullopt;
   if (!x.defined() || !weight.defined() || x.dim() < 2 || weight.dim() != 2) return std::nullopt;
-  // Under autocast LibTorch's at::linear computes in autocast's type: bfloat16 goes to oneDNN's
-  // bfloat16 GEMM where it is the faster (bfloat16_products_on_onednn), anything else stays.
+  // Under autocast LibTorch's at::linear computes in autocast's type: bfloat16 comes here unless
+  // LibTorch's own bfloat16 products are the faster (bfloat16_products()), anything else stays.
   const bool autocast = compat::autocast_enabled(at::kCPU);
-  if (autocast && (compat::autocast_dtype(at::kCPU) != at::kBFloat16 || !bfloat16_products_on_onednn())) {
+  const auto products = bfloat16_products();
+  if (autocast && (compat::autocast_dtype(at::kCPU) != at::kBFloat16 || products == Bfloat16Products::LibTorch)) {
     return std::nullopt;
   }
   if (!cpu_tensor_of(x, autocast) || !cpu_tensor_of(weight, autocast)) return std::nullopt;
@@ -185,10 +214,16 @@ std::optional<GemmInputs> onednn_route(const at::Tensor& x, const at::Tensor& we
   const int64_t K = x.size(-1), N = weight.size(0);
   if (K != weight.size(1) || K == 0 || N == 0 || x.numel() == 0) return std::nullopt;
   const int64_t M = x.numel() / K;
-  if (M < kOneDnnFromRows || static_cast<double>(M) * K * N < static_cast<double>(kOneDnnFromMultiplyAdds)) {
+  // Without bfloat16 instructions LibTorch's bfloat16 products are slow at every size (a decoded
+  // token's 1 × 128 × 384: 67 µs against 20 for float32, 16 rows: 843 against 35; LibTorch 1.13,
+  // Python, mkldnn off, AMD EPYC Zen 5, 2026-12-03): oneDNN's fixed cost is worth paying for all.
+  const bool every_size = autocast && products == Bfloat16Products::Float32;
+  if (!every_size &&
+      (M < kOneDnnFromRows || static_cast<double>(M) * K * N < static_cast<double>(kOneDnnFromMultiplyAdds))) {
     return std::nullopt;
   }
-  return autocast ? GemmInputs::BFloat16 : GemmInputs::Float32;
+  if (!autocast) return GemmInputs::Float32;
+  return products == Bfloat16Products::OneDnnBfloat16 ? GemmInputs::BFloat16 : GemmInputs::BFloat16InFloat32;
 }
 
 // LibTorch's route alone: what linear() does with an input that the oneDNN route does not take.
@@ -203,10 +238,19 @@ at::Tensor linear_by_libtorch(const at::Tensor& x, const at::Tensor& weight, con
 
 }  // namespace
 
-bool bfloat16_products_on_onednn() {
-  static const bool chosen = OneDnnGemm::instance().bfloat16_available() &&
-                             kernels::tiled::default_isa(kernels::tiled::detected_isa(),
-                                                         kernels::tiled::cpu_vendor()) == ProductIsa::Avx512Bf16;
+Bfloat16Products bfloat16_products() {
+  static const Bfloat16Products chosen = [] {
+    const auto& gemm = OneDnnGemm::instance();
+    if (!gemm.available()) return Bfloat16Products::LibTorch;
+    // The CPU as qkv sees it (QKV_TILED_ISA makes it look narrower, for tests and measurements).
+    const ProductIsa usable = kernels::tiled::usable_isa();
+    if (!at_least(usable, ProductIsa::Avx512Bf16)) return Bfloat16Products::Float32;
+    if (usable == ProductIsa::Avx512Bf16 && kernels::tiled::active_isa() == ProductIsa::Avx512Bf16 &&
+        gemm.bfloat16_available()) {
+      return Bfloat16Products::OneDnnBfloat16;
+    }
+    return Bfloat16Products::LibTorch;
+  }();
   return chosen;
 }
 

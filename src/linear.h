@@ -15,22 +15,36 @@ namespace qkv::detail {
 constexpr int64_t kOneDnnFromMultiplyAdds = int64_t{1} << 19;
 constexpr int64_t kOneDnnFromRows = 4;
 
-/// Whether products under CPU autocast to bfloat16 go to oneDNN's bfloat16 GEMM: where the process's
-/// oneDNN has one that works, and the CPU multiplies bfloat16 pairs natively without AMX (the tiled
-/// kernel's default instruction set is avx512_bf16: AMD Zen 4 and later). Measured on AMD EPYC Zen
-/// 5, 2 threads, 2026-12-03, the lm's products: oneDNN 2.6.3's dnnl_gemm_bf16bf16f32 at 680–850
-/// GFLOP/s, LibTorch 1.13's bfloat16 matmul (oneDNN's brgemm) 1.2–1.6× slower. Where AMX is
-/// granted, LibTorch's matmul multiplies on the tiles, which oneDNN's GEMM does not; where
-/// vdpbf16ps is no faster than float32 FMAs (Intel without AMX), there is nothing to gain.
-bool bfloat16_products_on_onednn();
+/// Which GEMM multiplies a linear layer's operands under CPU autocast to bfloat16 (operands rounded
+/// to bfloat16, sums in float32, the output in bfloat16), by the CPU's instructions as
+/// kernels::tiled::usable_isa() reports them, where the process has oneDNN (else LibTorch), for
+/// products of at least kOneDnnFromMultiplyAdds as in float32 (all sizes on the Float32 route):
+enum class Bfloat16Products {
+  /// LibTorch's bfloat16 matmul (oneDNN's primitives). With AMX they multiply on the tiles, which
+  /// oneDNN's GEMM API does not; on an Intel CPU with AVX512_BF16 but no AMX, vdpbf16ps multiplies
+  /// no faster than float32 FMAs, so there is nothing to gain from another route (not measured).
+  LibTorch,
+  /// oneDNN's bfloat16 GEMM, where the CPU multiplies bfloat16 pairs natively without AMX (the tiled
+  /// kernel's default instruction set is avx512_bf16: AMD Zen 4 and later). Measured on AMD EPYC Zen
+  /// 5, 2 threads, 2026-12-03, the lm's products: oneDNN 2.6.3's dnnl_gemm_bf16bf16f32 at 680–850
+  /// GFLOP/s, LibTorch 1.13's bfloat16 matmul (oneDNN's brgemm) 1.2–1.6× slower.
+  OneDnnBfloat16,
+  /// oneDNN's float32 GEMM on the operands' bfloat16 values held in float32, where the CPU has no
+  /// bfloat16 instructions (AVX2 or AVX-512 without AVX512_BF16: AMD Zen 2 and 3, Intel before
+  /// Cooper Lake). There LibTorch's bfloat16 matmul is LibTorch's own loops on AVX2 (mkldnn's
+  /// bfloat16 wants AVX-512): the lm's bf16-mixed step took 5.5 s against float32's 0.18 s on LibTorch
+  /// 1.13 (AMD EPYC Zen 5 made to look like an AVX2 CPU, docs/PERFORMANCE.md, 2026-12-03).
+  Float32,
+};
+Bfloat16Products bfloat16_products();
 
 /// x Wᵀ + b, the same values and gradients as at::linear, by the fastest route that takes it:
 /// - on the CPU where the process has oneDNN (LibTorch's own, see kernels/linear/onednn_gemm.h),
 ///   for products of at least kOneDnnFromMultiplyAdds and kOneDnnFromRows: oneDNN's GEMM for the
 ///   product and both gradients' products, on the input's rows side by side (a non-contiguous
 ///   input is made contiguous first, as at::linear does); second-order gradients (create_graph) on
-///   LibTorch's differentiable ops. Float32 outside autocast; under CPU autocast to bfloat16, where
-///   bfloat16_products_on_onednn(), float32 or bfloat16 inputs rounded to bfloat16 as autocast does,
+///   LibTorch's differentiable ops. Float32 outside autocast; under CPU autocast to bfloat16, unless
+///   bfloat16_products() is LibTorch, float32 or bfloat16 inputs rounded to bfloat16 as autocast does,
 ///   accumulated in float32 with the bias added in float32, the output in bfloat16 (autocast's type
 ///   for it), and each gradient computed in float32 and returned in its input's type (a float32
 ///   weight's gradient is not rounded to bfloat16 on the way, as it is under autocast's casts);

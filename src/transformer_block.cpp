@@ -5,6 +5,7 @@
 
 #include <qkv/checkpoint.h>
 
+#include "activation.h"
 #include "linear.h"
 
 #include <torch/torch.h>
@@ -52,7 +53,7 @@ void TransformerBlockImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor TransformerBlockImpl::mlp(const torch::Tensor& x) {
-  return detail::linear(torch::gelu(detail::linear(x, mlp_fc->weight, mlp_fc->bias)), mlp_proj->weight,
+  return detail::linear(detail::gelu(detail::linear(x, mlp_fc->weight, mlp_fc->bias)), mlp_proj->weight,
                         mlp_proj->bias);  // (…, E) -> (…, mlp_ratio·E) -> (…, E)
 }
 

@@ -1,6 +1,7 @@
 // Backends: the math path is the reference; every other backend must agree with it on outputs and
 // every gradient, in every dtype, for every kind of mask, including rows with no key left. CUDA
 // tests skip with a reason on machines without a GPU.
+#include "kernels/tiled/cpu_features.h"
 #include "support/fixtures.h"
 
 #include <limits>
@@ -22,6 +23,33 @@ TEST(Backends, TheResultSaysWhichBackendRan) {
   module->options.backend(AttentionBackend::Math);
   EXPECT_EQ(module->attend(x, x, x).backend, AttentionBackend::Math);
   EXPECT_EQ(module->backend_for(x), AttentionBackend::Math);
+}
+
+TEST(Backends, DecodedTokenInBfloat16StaysOffLibTorchsOwnLoops) {
+  // A decoded token (one query row, no gradient) goes to LibTorch's attention (fused, or the math
+  // path's matmuls), which costs less than setting up the tiled kernel, except in bfloat16 where
+  // LibTorch's bfloat16 products are its own loops (no AVX-512; ctest's routes.isa_avx2 rerun makes
+  // the CPU look so): there it stays on the tiled kernel. Either way the output is the float64 math
+  // path's.
+  torch::manual_seed(19);
+  qkv::SelfAttention module(qkv::SelfAttentionOptions(64).num_heads(4).causal(true));
+  qkv::SelfAttention reference(qkv::SelfAttentionOptions(64).num_heads(4).causal(true).backend(AttentionBackend::Math));
+  reference->to(torch::kDouble);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : reference->named_parameters()) item.value().copy_(module->named_parameters()[item.key()]);
+  }
+  const auto token = torch::randn({2, 1, 64});
+  torch::NoGradGuard no_grad;
+  const auto libtorch = qkv::fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
+  EXPECT_EQ(module->backend_for(token), libtorch);
+  const bool own_loops = qkv::kernels::tiled::libtorch_bfloat16_on_own_loops();
+  module->to(torch::kBFloat16);
+  const auto bf16_token = token.to(torch::kBFloat16);
+  EXPECT_EQ(module->backend_for(bf16_token), own_loops ? AttentionBackend::Tiled : libtorch)
+      << "usable instruction set " << qkv::kernels::tiled::isa_name(qkv::kernels::tiled::usable_isa());
+  const auto want = reference(bf16_token.to(torch::kDouble));
+  EXPECT_LT(qkv_test::relative_error(module(bf16_token), want), qkv_test::tolerance_for(torch::kBFloat16, 64));
 }
 
 TEST(Backends, DropoutOnlyWhileTraining) {

@@ -4,13 +4,16 @@
 // (contiguous, transposed, sliced, broadcast), odd sizes, with and without bias; second-order
 // gradients; the bfloat16 route under CPU autocast against float64 of the bfloat16-rounded
 // operands, and its rounding against c10::BFloat16's; and what stays on LibTorch's route (float64,
-// a 1-D input, small products).
+// a 1-D input, small products). Also the MLP's GELU on bfloat16 (src/activation.h).
+#include "activation.h"
 #include "kernels/linear/bfloat16_products.h"
 #include "kernels/linear/onednn_gemm.h"
+#include "kernels/tiled/cpu_features.h"
 #include "linear.h"
 
 #include "support/compare.h"
 
+#include <qkv/functional.h>
 #include <qkv/precision.h>
 
 #include <gtest/gtest.h>
@@ -200,12 +203,15 @@ TEST(Linear, LeavesOtherInputsToLibTorch) {
   EXPECT_TRUE(torch::equal(qkv::detail::linear(vector, w, b), torch::linear(vector, w, b)));
   const auto x64 = torch::randn({3, 6}, torch::kDouble);
   EXPECT_FALSE(graph_has(qkv::detail::linear(x64, w.to(torch::kDouble), b.to(torch::kDouble)), "OneDnn"));
-  // Under CPU autocast LibTorch's at::linear casts to bfloat16 (and so must the route).
+  // Under CPU autocast LibTorch's at::linear casts to bfloat16 (and so must the route); a product
+  // this small stays on LibTorch's, except where that is its own loops (the float32 route).
   {
     qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
     const auto y = qkv::detail::linear(torch::randn({2, 3, 6}), w, b);
     EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
-    EXPECT_FALSE(graph_has(y, "OneDnn")) << linear_grad_fn_name(y);
+    EXPECT_EQ(graph_has(y, "OneDnn"), OneDnnGemm::instance().available() && qkv::detail::bfloat16_products() ==
+                                                                               qkv::detail::Bfloat16Products::Float32)
+        << linear_grad_fn_name(y);
   }
   // Empty inputs keep their shape.
   EXPECT_EQ(qkv::detail::linear(torch::randn({2, 0, 6}), w, b).sizes(), (std::vector<int64_t>{2, 0, 4}));
@@ -260,21 +266,64 @@ TEST(Linear, RoundsToBfloat16AsLibTorchDoes) {
   // NaN: any quiet NaN will do (payloads differ between LibTorch versions); everything else bit for bit.
   EXPECT_TRUE(torch::isnan(got.to(torch::kFloat)).equal(nan));
   EXPECT_TRUE(got_bits.masked_select(~nan).equal(want_bits.masked_select(~nan)));
+
+  // The same values held in float32 (the float32 GEMM's operands on CPUs without bfloat16
+  // instructions), from float32 (rounded) and from bfloat16 (widened).
+  const auto want_values = want.to(torch::kFloat);
+  for (const auto& from : {all, want}) {
+    SCOPED_TRACE(testing::Message() << "bfloat16_values of " << from.scalar_type());
+    const auto values = qkv::kernels::linear::bfloat16_values(from);
+    ASSERT_EQ(values.scalar_type(), torch::kFloat);
+    EXPECT_TRUE(torch::isnan(values).equal(nan));
+    EXPECT_TRUE(values.view(torch::kInt).masked_select(~nan).equal(want_values.view(torch::kInt).masked_select(~nan)));
+  }
+}
+
+TEST(Linear, Bfloat16RouteFollowsTheCpusInstructions) {
+  // Under bfloat16 autocast the products go where the CPU (as QKV_TILED_ISA makes it look; ctest
+  // reruns this file with avx2 and avx512) multiplies them fastest: with no bfloat16 instructions
+  // LibTorch 1.13's bfloat16 matmul is its own scalar loops, so the float32 GEMM takes the rounded
+  // operands; AVX512_BF16 without AMX by default (AMD): oneDNN's bfloat16 GEMM.
+  using qkv::detail::Bfloat16Products;
+  using qkv::kernels::tiled::ProductIsa;
+  if (!OneDnnGemm::instance().available()) {
+    EXPECT_EQ(qkv::detail::bfloat16_products(), Bfloat16Products::LibTorch);
+    GTEST_SKIP() << "no oneDNN GEMM in this process: " << OneDnnGemm::instance().description();
+  }
+  const auto usable = qkv::kernels::tiled::usable_isa();
+  const auto route = qkv::detail::bfloat16_products();
+  SCOPED_TRACE(testing::Message() << "usable " << qkv::kernels::tiled::isa_name(usable) << ", active "
+                                  << qkv::tiled_instruction_set() << ", " << qkv::linear_products());
+  if (!qkv::kernels::tiled::at_least(usable, ProductIsa::Avx512Bf16)) {
+    EXPECT_EQ(route, Bfloat16Products::Float32);
+    EXPECT_NE(qkv::linear_products().find("on the float32 GEMM"), std::string::npos);
+  } else if (usable == ProductIsa::AmxBf16) {
+    EXPECT_EQ(route, Bfloat16Products::LibTorch);
+  } else if (qkv::kernels::tiled::active_isa() == ProductIsa::Avx512Bf16 &&
+             OneDnnGemm::instance().bfloat16_available()) {
+    EXPECT_EQ(route, Bfloat16Products::OneDnnBfloat16);
+    EXPECT_NE(qkv::linear_products().find("(bfloat16 autocast too)"), std::string::npos);
+  } else {
+    EXPECT_EQ(route, Bfloat16Products::LibTorch);
+  }
 }
 
 TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
   // Under CPU autocast to bfloat16 a linear layer multiplies its operands rounded to bfloat16 and
   // returns bfloat16: the reference is float64 on the same rounded operands. Where oneDNN's
-  // bfloat16 GEMM takes the product (bfloat16_products_on_onednn) its gradients are float32 for
-  // float32 inputs; on LibTorch's route (other CPUs) the same checks hold within bfloat16's
-  // rounding.
+  // or float32 GEMM takes the product (bfloat16_products()) its gradients are float32 for float32
+  // inputs; on LibTorch's route (CPUs with AMX) the same checks hold within bfloat16's rounding.
   torch::manual_seed(16);
-  const bool routed = OneDnnGemm::instance().available() && qkv::detail::bfloat16_products_on_onednn();
+  const bool routed = OneDnnGemm::instance().available() &&
+                      qkv::detail::bfloat16_products() != qkv::detail::Bfloat16Products::LibTorch;
   struct Shape {
     int64_t batch, rows, in, out;
   };
-  // 300 rows: one block of 256 and a tail; 4 rows × 512 × 256: the smallest product routed.
-  for (const auto& s : {Shape{2, 64, 128, 384}, Shape{1, 300, 96, 161}, Shape{1, 4, 512, 256}}) {
+  // 300 rows: one block of 256 and a tail; 4 rows × 512 × 256: the smallest product routed; one
+  // row × 128 × 384 (a decoded token's), routed only where the float32 GEMM takes the products.
+  const bool float32_route = qkv::detail::bfloat16_products() == qkv::detail::Bfloat16Products::Float32;
+  for (const auto& s : {Shape{2, 64, 128, 384}, Shape{1, 300, 96, 161}, Shape{1, 4, 512, 256}, Shape{1, 1, 128, 384}}) {
+    const bool large = s.batch * s.rows * s.in * s.out >= qkv::detail::kOneDnnFromMultiplyAdds;
     for (auto x_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced}) {
       for (auto w_layout : {OperandLayout::Contiguous, OperandLayout::Transposed}) {
         for (auto x_dtype : {torch::kFloat, torch::kBFloat16}) {
@@ -296,7 +345,7 @@ TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
               y = qkv::detail::linear(x, w, b);
             }
             EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
-            EXPECT_EQ(graph_has(y, "OneDnnLinear"), routed) << linear_grad_fn_name(y);
+            EXPECT_EQ(graph_has(y, "OneDnnLinear"), routed && (large || float32_route)) << linear_grad_fn_name(y);
             (y.to(torch::kFloat) * probe).sum().backward();
             EXPECT_EQ(x.grad().scalar_type(), x_dtype);
             EXPECT_EQ(w.grad().scalar_type(), torch::kFloat);
@@ -345,7 +394,8 @@ TEST(Linear, Bfloat16SecondOrderGradientsReachTheInputs) {
     y = qkv::detail::linear(x, w, b);
   }
   EXPECT_EQ(graph_has(y, "OneDnnLinear"),
-            OneDnnGemm::instance().available() && qkv::detail::bfloat16_products_on_onednn());
+            OneDnnGemm::instance().available() &&
+                qkv::detail::bfloat16_products() != qkv::detail::Bfloat16Products::LibTorch);
   const auto grad_x = torch::autograd::grad({y.to(torch::kFloat).pow(2).sum()}, {x}, {}, /*retain_graph=*/true,
                                             /*create_graph=*/true)[0];
   grad_x.pow(2).sum().backward();
@@ -362,6 +412,72 @@ TEST(Linear, Bfloat16SecondOrderGradientsReachTheInputs) {
   EXPECT_LT(relative_error(w.grad(), w64.grad()), tolerance);
   EXPECT_LT(relative_error(b.grad(), b64.grad(), /*scale=*/qkv_test::max_abs(w64.grad())), tolerance);
   EXPECT_GT(qkv_test::max_abs(w.grad()), 0.0);
+}
+
+}  // namespace
+
+namespace {
+
+// |actual - expected| ≤ relative · |expected| + absolute, element by element (a value rounded once to
+// bfloat16 is within 2^-8 of itself, relatively; `absolute` is a tensor of the same shape or a
+// scalar one).
+void expect_elementwise_close(const torch::Tensor& actual, const torch::Tensor& expected, double relative,
+                              const torch::Tensor& absolute) {
+  const auto a = actual.to(torch::kDouble), e = expected.to(torch::kDouble);
+  const auto excess = (a - e).abs() - (e.abs() * relative + absolute.to(torch::kDouble));
+  const auto worst = excess.argmax().item<int64_t>();
+  EXPECT_LE(excess.max().item<double>(), 0.0)
+      << "at " << worst << ": got " << a.flatten()[worst].item<double>() << ", expected "
+      << e.flatten()[worst].item<double>();
+}
+
+TEST(Activation, GeluOfBfloat16MatchesFloat64) {
+  // qkv's GELU (the MLP's) on bfloat16 against float64 GELU of the same bfloat16 values: each output
+  // and each input gradient rounded once to bfloat16, on the route the CPU takes (through float32
+  // where it has no AVX-512, which ctest's linear.isa_avx2 rerun makes it look like; LibTorch's
+  // bfloat16 GELU otherwise), contiguous and as a transposed view; and second-order gradients.
+  torch::manual_seed(18);
+  const auto values = torch::cat({torch::randn({4096}) * 3, torch::randn({64}) * 30,
+                                  torch::tensor({0.0f, -0.0f, 1e-30f, -1e-30f, -5.0f, -9.0f, 12.0f, 1e30f})})
+                          .to(torch::kBFloat16);
+  const auto probe = torch::randn({values.size(0)}).to(torch::kBFloat16);
+  const auto x64 = values.to(torch::kDouble).requires_grad_(true);
+  const auto y64 = torch::gelu(x64);
+  const auto grad64 = torch::autograd::grad({y64}, {x64}, {probe.to(torch::kDouble)}, true, true)[0];
+  // Before the rounding, float32's GELU is x (1 + erf(x/√2)) / 2 (and its derivative alike): in the
+  // negative tail 1 + erf cancels, leaving an absolute error of a few float32 ulps of |x|, which
+  // bfloat16's relative rounding does not cover (LibTorch's own GELU has it too).
+  const double bf16_rounding = std::ldexp(1.0, -8), float32_ulp = std::ldexp(1.0, -23);
+  const auto tail = (values.to(torch::kDouble).abs() + 1) * (4 * float32_ulp);
+  for (bool transposed : {false, true}) {
+    SCOPED_TRACE(transposed ? "transposed view" : "contiguous");
+    const auto leaf = (transposed ? values.view({-1, 2}).t().contiguous() : values).clone().requires_grad_(true);
+    const auto x = transposed ? leaf.t() : leaf;  // the same values in the same order as `values`
+    const auto y = qkv::detail::gelu(x.reshape({-1}));
+    ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+    if (!transposed) {
+      EXPECT_EQ(graph_has(y, "GeluThroughFloat32"), qkv::detail::gelu_through_float32()) << linear_grad_fn_name(y);
+    }
+    expect_elementwise_close(y, y64, bf16_rounding, tail);
+    y.backward(probe);
+    const auto grad = transposed ? leaf.grad().t().reshape({-1}) : leaf.grad();
+    // the gradient: GELU'(x) (float32) times the probe, rounded once to bfloat16
+    expect_elementwise_close(grad, grad64, bf16_rounding, tail * probe.to(torch::kDouble).abs());
+  }
+  {
+    // create_graph: d/dx of Σ (GELU'(x) · probe)², against float64, within bfloat16's roundings,
+    // over the normal values (GELU'' at 1e30 overflows float32 on every route: x² · φ(x)).
+    const auto normal = values.slice(0, 0, 4096), normal_probe = probe.slice(0, 0, 4096);
+    const auto leaf = normal.clone().requires_grad_(true);
+    const auto y = qkv::detail::gelu(leaf);
+    const auto g = torch::autograd::grad({y}, {leaf}, {normal_probe}, true, true)[0];
+    g.to(torch::kFloat).pow(2).sum().backward();
+    const auto normal64 = normal.to(torch::kDouble).requires_grad_(true);
+    const auto g64 = torch::autograd::grad({torch::gelu(normal64)}, {normal64}, {normal_probe.to(torch::kDouble)},
+                                           true, true)[0];
+    const auto want = torch::autograd::grad({g64.pow(2).sum()}, {normal64})[0];
+    EXPECT_LT(relative_error(leaf.grad(), want), tolerance_for(torch::kBFloat16, 1));
+  }
 }
 
 }  // namespace

@@ -37,14 +37,17 @@ AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
 /// run time from the CPU: "amx_bf16" (bfloat16 inputs multiply on AMX tiles), "avx512_bf16"
 /// (bfloat16 inputs multiply as bfloat16 pairs, vdpbf16ps), "avx512", "avx2" (with FMA) or
 /// "portable". The environment variable QKV_TILED_ISA, read once, lowers it (to compare paths, or
-/// to rule one out).
+/// to rule one out), and with it the bfloat16 route of the linear layers (linear_products()).
 std::string tiled_instruction_set();
 
 /// Which library multiplies qkv's linear layers on the CPU (W_q, W_k, W_v, W_o, the
 /// TransformerBlock's MLP): "oneDNN 2.6.3" where the process has LibTorch's oneDNN (Debian's
 /// LibTorch links it), whose GEMM qkv calls for the forward and both gradients' products in float32;
 /// "oneDNN 2.6.3 (bfloat16 autocast too)" where products under CPU autocast to bfloat16 also go to
-/// oneDNN's bfloat16 GEMM (a CPU with AVX512_BF16 and no AMX: AMD Zen 4 and later); otherwise
+/// oneDNN's bfloat16 GEMM (a CPU with AVX512_BF16 and no AMX: AMD Zen 4 and later); "oneDNN 2.6.3
+/// (bfloat16 autocast too, on the float32 GEMM: no bfloat16 instructions)" where they go to its
+/// float32 GEMM on the operands rounded to bfloat16 (a CPU without AVX512_BF16 and AMX, where
+/// LibTorch's bfloat16 products are its own slow loops); otherwise
 /// "LibTorch's (why)": at::addmm / at::linear, OpenBLAS on Debian. The environment variable
 /// QKV_LINEAR_GEMM=libtorch, read once, keeps them on LibTorch's (to compare). Products under 2^19
 /// multiply-adds or 4 rows (a decoded token's), float16 and float64, and other devices always use

@@ -40,6 +40,14 @@ QKV_ROUNDING_CLONES void round_values(const float* __restrict from, uint16_t* __
   for (int64_t i = 0; i < count; ++i) into[i] = float_to_bfloat16_bits(from[i]);
 }
 
+QKV_ROUNDING_CLONES void round_values_kept_float32(const float* __restrict from, float* __restrict into, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) into[i] = bfloat16_bits_to_float(float_to_bfloat16_bits(from[i]));
+}
+
+QKV_ROUNDING_CLONES void widen_values(const uint16_t* __restrict from, float* __restrict into, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) into[i] = bfloat16_bits_to_float(from[i]);
+}
+
 const uint16_t* bits_of(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 }  // namespace
@@ -59,14 +67,48 @@ at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype) {
   return dtype == at::kBFloat16 ? round_to_bfloat16(t) : t.to(dtype);
 }
 
-at::Tensor bfloat16_product(int64_t m, int64_t n, int64_t k, const Bf16Operand& a, const Bf16Operand& b,
+at::Tensor bfloat16_values(const at::Tensor& t) {
+  const bool in_place = t.is_contiguous() && t.device().is_cpu();
+  if (!in_place || (t.scalar_type() != at::kFloat && t.scalar_type() != at::kBFloat16)) {
+    return t.to(at::kBFloat16).to(at::kFloat);
+  }
+  auto out = at::empty(t.sizes(), t.options().dtype(at::kFloat));
+  float* into = out.data_ptr<float>();
+  if (t.scalar_type() == at::kFloat) {
+    const float* from = t.data_ptr<float>();
+    at::parallel_for(0, t.numel(), kRoundingGrain, [&](int64_t begin, int64_t end) {
+      round_values_kept_float32(from + begin, into + begin, end - begin);
+    });
+  } else {
+    const uint16_t* from = bits_of(t);
+    at::parallel_for(0, t.numel(), kRoundingGrain,
+                     [&](int64_t begin, int64_t end) { widen_values(from + begin, into + begin, end - begin); });
+  }
+  return out;
+}
+
+at::Tensor bfloat16_product(int64_t m, int64_t n, int64_t k, const GemmOperand& a, const GemmOperand& b,
                             const at::Tensor& bias) {
   TORCH_CHECK(!a.transposed, "qkv: bfloat16_product splits the rows of its left operand: it cannot be transposed");
+  const auto type = a.tensor.scalar_type();
+  TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && b.tensor.scalar_type() == type,
+              "qkv: bfloat16_product expected two bfloat16 or two float32 operands, got ", type, " and ",
+              b.tensor.scalar_type());
   const auto& gemm = OneDnnGemm::instance();
   auto out = at::empty({m, n}, a.tensor.options().dtype(at::kBFloat16));
   const auto bias_values = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
   const float* bias_row = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
-  const uint16_t *a_bits = bits_of(a.tensor), *b_bits = bits_of(b.tensor);
+  // (rows × n) into `block` = the rows of A from `first` on times B, + block where there is a bias.
+  const auto multiply = [&](int64_t first, int64_t rows, float* block) {
+    const float beta = bias_row ? 1.0f : 0.0f;
+    if (type == at::kBFloat16) {
+      gemm.multiply_bf16(false, b.transposed, rows, n, k, bits_of(a.tensor) + first * a.ld, a.ld, bits_of(b.tensor),
+                         b.ld, beta, block, n);
+    } else {
+      gemm.multiply(false, b.transposed, rows, n, k, a.tensor.data_ptr<float>() + first * a.ld, a.ld,
+                    b.tensor.data_ptr<float>(), b.ld, beta, block, n);
+    }
+  };
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
   // Inside a task oneDNN's GEMM sees it runs in a parallel region and stays on the task's thread.
@@ -77,8 +119,7 @@ at::Tensor bfloat16_product(int64_t m, int64_t n, int64_t k, const Bf16Operand& 
       if (bias_row) {
         for (int64_t r = 0; r < rows; ++r) std::copy(bias_row, bias_row + n, block.data() + r * n);
       }
-      gemm.multiply_bf16(false, b.transposed, rows, n, k, a_bits + first * a.ld, a.ld, b_bits, b.ld,
-                         bias_row ? 1.0f : 0.0f, block.data(), n);
+      multiply(first, rows, block.data());
       round_values(block.data(), out_bits + first * n, rows * n);
     }
   });

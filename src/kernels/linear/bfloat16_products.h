@@ -1,5 +1,6 @@
-// The linear layers' bfloat16 products (CPU autocast to bfloat16) on oneDNN's bfloat16 GEMM, with
-// their float32 results rounded to bfloat16 while they are still in cache. Private to qkv.
+// The linear layers' bfloat16 products (CPU autocast to bfloat16) on oneDNN's bfloat16 GEMM, or on
+// its float32 GEMM where the CPU has no bfloat16 instructions, with their float32 results rounded
+// to bfloat16 while they are still in cache. Private to qkv.
 //
 // oneDNN's GEMM API writes float32. Written whole and rounded in a second pass, the lm's outputs
 // went to memory and back (4 + 4 + 2 bytes a value against 2): as slow as LibTorch's bfloat16
@@ -23,19 +24,26 @@ at::Tensor round_to_bfloat16(const at::Tensor& t);
 /// `t` (float32) in `dtype`: round_to_bfloat16 for bfloat16, else t.to(dtype).
 at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype);
 
-/// A bfloat16 matrix operand of a product: row-major with row stride `ld`, or (transposed) its
-/// transpose stored so.
-struct Bf16Operand {
-  const at::Tensor& tensor;  // bfloat16
+/// `t` (float32 or bfloat16) rounded to bfloat16 and held in float32: a float32 `t` rounded as
+/// round_to_bfloat16 rounds, a bfloat16 one widened (exact). The operands of bfloat16 products on a
+/// float32 GEMM, for CPUs without bfloat16 instructions. Contiguous CPU tensors by qkv's loops,
+/// anything else by LibTorch's conversions.
+at::Tensor bfloat16_values(const at::Tensor& t);
+
+/// A matrix operand of a product: row-major with row stride `ld`, or (transposed) its transpose
+/// stored so; bfloat16, or float32 holding bfloat16 values (bfloat16_values).
+struct GemmOperand {
+  const at::Tensor& tensor;
   bool transposed = false;
   int64_t ld = 0;
 };
 
-/// (m × n) bfloat16 = round(op(a) (m × k) · op(b) (k × n) + bias), accumulated in float32 by
-/// oneDNN's bfloat16 GEMM (OneDnnGemm::multiply_bf16, which must be available), the bias (float32
-/// or bfloat16, n values, or undefined) added in float32 before the one rounding. `a` must not be
-/// transposed (its rows are split among the threads).
-at::Tensor bfloat16_product(int64_t m, int64_t n, int64_t k, const Bf16Operand& a, const Bf16Operand& b,
+/// (m × n) bfloat16 = round(op(a) (m × k) · op(b) (k × n) + bias), accumulated in float32, the bias
+/// (float32 or bfloat16, n values, or undefined) added in float32 before the one rounding. `a` and
+/// `b` both bfloat16 (oneDNN's bfloat16 GEMM, OneDnnGemm::multiply_bf16, which must be available)
+/// or both float32 (OneDnnGemm::multiply). `a` must not be transposed (its rows are split among the
+/// threads).
+at::Tensor bfloat16_product(int64_t m, int64_t n, int64_t k, const GemmOperand& a, const GemmOperand& b,
                             const at::Tensor& bias);
 
 /// The float32 sums of the columns of a (m × n) contiguous bfloat16 matrix, as one GEMM with a row

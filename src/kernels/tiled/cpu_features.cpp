@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string_view>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -106,14 +107,27 @@ ProductIsa default_isa(ProductIsa detected, CpuVendor vendor) {
   return detected;
 }
 
-ProductIsa active_isa() {
-  static const ProductIsa chosen = [] {
-    const ProductIsa detected = detected_isa();
-    const char* requested = std::getenv("QKV_TILED_ISA");
-    if (requested == nullptr || *requested == '\0') return default_isa(detected, cpu_vendor());
-    const ProductIsa wanted = parse_isa(requested);
+namespace {
+
+// QKV_TILED_ISA's instruction set, capped at what the CPU has; none when it is not set.
+std::optional<ProductIsa> requested_isa() {
+  static const std::optional<ProductIsa> requested = []() -> std::optional<ProductIsa> {
+    const char* name = std::getenv("QKV_TILED_ISA");
+    if (name == nullptr || *name == '\0') return std::nullopt;
+    const ProductIsa wanted = parse_isa(name), detected = detected_isa();
     return at_least(detected, wanted) ? wanted : detected;
   }();
+  return requested;
+}
+
+}  // namespace
+
+ProductIsa usable_isa() { return requested_isa().value_or(detected_isa()); }
+
+bool libtorch_bfloat16_on_own_loops() { return !at_least(usable_isa(), ProductIsa::Avx512); }
+
+ProductIsa active_isa() {
+  static const ProductIsa chosen = requested_isa().value_or(default_isa(detected_isa(), cpu_vendor()));
   return chosen;
 }
 

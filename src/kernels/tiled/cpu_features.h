@@ -42,6 +42,20 @@ ProductIsa default_isa(ProductIsa detected, CpuVendor vendor);
 /// unknown value is an error naming the accepted ones. Read once.
 ProductIsa active_isa();
 
+/// What the CPU can run as qkv sees it: detected_isa(), or as QKV_TILED_ISA lowers it when set
+/// (without default_isa's choice for Intel). Other routes that depend on the CPU's bfloat16
+/// instructions (the linear layers', src/linear.h) ask this, so that one variable makes a CPU look
+/// like a narrower one to all of qkv.
+ProductIsa usable_isa();
+
+/// Whether LibTorch's bfloat16 matrix products and GELU run on its own loops here rather than on
+/// oneDNN: oneDNN's bfloat16 wants AVX-512 (LibTorch's mkldnn_bf16_device_check: AVX512BW, VL and
+/// DQ), so on a CPU without it, as usable_isa() sees it, they are LibTorch's element-at-a-time code
+/// (a 16 × 128 × 384 bfloat16 product 24× slower than float32's, LibTorch 1.13). Where this holds qkv
+/// keeps bfloat16 work off those paths (src/linear.h, src/activation.h, the backend of a decoded
+/// token in src/functional.cpp).
+bool libtorch_bfloat16_on_own_loops();
+
 /// "portable", "avx2", "avx512", "avx512_bf16", "amx_bf16".
 const char* isa_name(ProductIsa isa);
 
