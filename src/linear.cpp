@@ -203,7 +203,7 @@ std::optional<GemmInputs> onednn_route(const at::Tensor& x, const at::Tensor& we
   // Under autocast LibTorch's at::linear computes in autocast's type: bfloat16 comes here unless
   // LibTorch's own bfloat16 products are the faster (bfloat16_products()), anything else stays.
   const bool autocast = compat::autocast_enabled(at::kCPU);
-  const auto products = bfloat16_products();
+  const auto products = autocast ? bfloat16_products() : Bfloat16Products::LibTorch;
   if (autocast && (compat::autocast_dtype(at::kCPU) != at::kBFloat16 || products == Bfloat16Products::LibTorch)) {
     return std::nullopt;
   }
