@@ -22,14 +22,17 @@ namespace {
 
 using kernels::linear::OneDnnGemm;
 
-// What a product's operands are and which of oneDNN's GEMMs takes them; all accumulate and write
-// float32. Under CPU autocast to bfloat16 the operands are rounded to bfloat16 (bfloat16_products()
-// says which GEMM multiplies them).
-enum class GemmInputs {
-  Float32,           // as they come, on the float32 GEMM
-  BFloat16,          // rounded to bfloat16, on the bfloat16 GEMM
-  BFloat16InFloat32  // rounded to bfloat16 but held in float32, on the float32 GEMM
-};
+// Which of oneDNN's GEMMs a product takes: float32 operands, or operands rounded to bfloat16
+// (CPU autocast to bfloat16; bfloat16_gemm() says how they are multiplied); both accumulate and
+// write float32.
+enum class GemmInputs { Float32, BFloat16 };
+
+// How bfloat16 operands are multiplied: by oneDNN's bfloat16 GEMM, or where the CPU has no bfloat16
+// instructions by its float32 GEMM, widened block by block (bfloat16_products()).
+kernels::linear::Bfloat16Gemm bfloat16_gemm() {
+  return bfloat16_products() == Bfloat16Products::Float32 ? kernels::linear::Bfloat16Gemm::Float32
+                                                           : kernels::linear::Bfloat16Gemm::OneDnn;
+}
 
 // A weight (N × K) as oneDNN reads it: its rows (transposed, Wᵀ's columns) or its columns.
 struct WeightOperand {
@@ -46,25 +49,9 @@ WeightOperand weight_operand(const at::Tensor& weight) {
 }
 
 // An operand as the GEMM takes it: float32 as it is, else rounded to bfloat16 (a contiguous
-// float32 one by qkv's vector loops, anything else by LibTorch, strides kept), in bfloat16 or held
-// in float32.
+// float32 one by qkv's vector loop, anything else by LibTorch, strides kept).
 at::Tensor gemm_operand(const at::Tensor& t, GemmInputs inputs) {
-  switch (inputs) {
-    case GemmInputs::Float32: return t;
-    case GemmInputs::BFloat16: return kernels::linear::float32_to(t, at::kBFloat16);
-    case GemmInputs::BFloat16InFloat32: return kernels::linear::bfloat16_values(t);
-  }
-  return t;
-}
-
-// The same rounding by LibTorch's differentiable ops (a create_graph backward's operands).
-at::Tensor differentiable_gemm_operand(const at::Tensor& t, GemmInputs inputs) {
-  switch (inputs) {
-    case GemmInputs::Float32: return t;
-    case GemmInputs::BFloat16: return t.to(at::kBFloat16);
-    case GemmInputs::BFloat16InFloat32: return t.to(at::kBFloat16).to(at::kFloat);
-  }
-  return t;
+  return inputs == GemmInputs::BFloat16 ? kernels::linear::float32_to(t, at::kBFloat16) : t;
 }
 
 // c (float32, row-major, row stride ldc) = op(a) · op(b) + beta · c on oneDNN, a and b both
@@ -74,7 +61,8 @@ void product(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k
   const auto& gemm = OneDnnGemm::instance();
   if (a.scalar_type() == at::kBFloat16) {
     const auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
-    gemm.multiply_bf16(transpose_a, transpose_b, m, n, k, bits(a), lda, bits(b), ldb, beta, c.data_ptr<float>(), ldc);
+    kernels::linear::multiply_bfloat16(bfloat16_gemm(), transpose_a, transpose_b, m, n, k, bits(a), lda, bits(b), ldb,
+                                       beta, c.data_ptr<float>(), ldc);
   } else {
     gemm.multiply(transpose_a, transpose_b, m, n, k, a.data_ptr<float>(), lda, b.data_ptr<float>(), ldb, beta,
                   c.data_ptr<float>(), ldc);
@@ -105,11 +93,11 @@ at::Tensor forward_on_onednn(torch::autograd::AutogradContext* ctx, const at::Te
   ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
   ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
   ctx->saved_data["b_dtype"] = static_cast<int64_t>(bias.defined() ? bias.scalar_type() : at::kFloat);
-  ctx->saved_data["inputs"] = static_cast<int64_t>(inputs);
   if (inputs == GemmInputs::Float32) return onednn_linear_forward(x_operand, w_operand, bias);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const auto w = weight_operand(w_operand);
-  return kernels::linear::bfloat16_product(M, N, K, {x_operand, false, K}, {w.tensor, w.rows, w.ld}, bias);
+  return kernels::linear::bfloat16_product(bfloat16_gemm(), M, N, K, {x_operand, false, K}, {w.tensor, w.rows, w.ld},
+                                          bias);
 }
 
 // The autograd of y = x Wᵀ (+ b) on oneDNN; x (M × K) contiguous, weight (N × K), bias (N).
@@ -122,26 +110,22 @@ torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, co
   const auto saved = ctx->get_saved_variables();
   const auto &x = saved[0], &weight = saved[1];  // as the GEMM took them
   const auto dtype = [&](const char* key) { return static_cast<at::ScalarType>(ctx->saved_data[key].toInt()); };
-  const auto inputs = static_cast<GemmInputs>(ctx->saved_data["inputs"].toInt());
   const auto operand_type = x.scalar_type();
   at::Tensor grad_x, grad_weight, grad_bias;
   if (torch::GradMode::is_enabled()) {
     // create_graph: the gradients must themselves be differentiable, so they are LibTorch's ops on
     // the inputs themselves, rounded by LibTorch's (recorded) conversion where the GEMM rounded.
     const auto &x_input = saved[2], &w_input = saved[3];
-    const auto grad = differentiable_gemm_operand(output_grad, inputs);  // (M × N)
+    const auto grad = output_grad.to(operand_type);  // (M × N)
     if (with_bias && ctx->needs_input_grad(2)) grad_bias = at::sum(grad, {0}, false, at::kFloat).to(dtype("b_dtype"));
-    if (ctx->needs_input_grad(0)) {
-      grad_x = grad.mm(differentiable_gemm_operand(w_input, inputs)).to(dtype("x_dtype"));
-    }
-    if (ctx->needs_input_grad(1)) {
-      grad_weight = grad.t().mm(differentiable_gemm_operand(x_input, inputs)).to(dtype("w_dtype"));
-    }
+    if (ctx->needs_input_grad(0)) grad_x = grad.mm(w_input.to(operand_type)).to(dtype("x_dtype"));
+    if (ctx->needs_input_grad(1)) grad_weight = grad.t().mm(x_input.to(operand_type)).to(dtype("w_dtype"));
     return {grad_x, grad_weight, grad_bias};
   }
-  const auto grad = gemm_operand(output_grad, inputs).contiguous();  // (M × N), in operand_type
+  const auto grad = kernels::linear::float32_to(output_grad, operand_type).contiguous();  // (M × N)
   if (with_bias && ctx->needs_input_grad(2)) {
-    grad_bias = (operand_type == at::kBFloat16 ? kernels::linear::bfloat16_column_sums(grad) : grad.sum(0))
+    grad_bias = (operand_type == at::kBFloat16 ? kernels::linear::bfloat16_column_sums(bfloat16_gemm(), grad)
+                                               : grad.sum(0))
                     .to(dtype("b_dtype"));
   }
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
@@ -149,7 +133,8 @@ torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, co
   if (ctx->needs_input_grad(0)) {  // dx (M × K) = grad (M × N) · W (N × K)
     const auto w = weight_operand(weight);
     if (dtype("x_dtype") == at::kBFloat16) {  // rounded in cache
-      grad_x = kernels::linear::bfloat16_product(M, K, N, {grad, false, N}, {w.tensor, !w.rows, w.ld}, at::Tensor());
+      grad_x = kernels::linear::bfloat16_product(bfloat16_gemm(), M, K, N, {grad, false, N}, {w.tensor, !w.rows, w.ld},
+                                                 at::Tensor());
     } else {
       grad_x = at::empty({M, K}, float32);
       product(false, /*transpose_b=*/!w.rows, M, K, N, grad, N, w.tensor, w.ld, 0.0f, grad_x, K);
@@ -222,8 +207,7 @@ std::optional<GemmInputs> onednn_route(const at::Tensor& x, const at::Tensor& we
       (M < kOneDnnFromRows || static_cast<double>(M) * K * N < static_cast<double>(kOneDnnFromMultiplyAdds))) {
     return std::nullopt;
   }
-  if (!autocast) return GemmInputs::Float32;
-  return products == Bfloat16Products::OneDnnBfloat16 ? GemmInputs::BFloat16 : GemmInputs::BFloat16InFloat32;
+  return autocast ? GemmInputs::BFloat16 : GemmInputs::Float32;
 }
 
 // LibTorch's route alone: what linear() does with an input that the oneDNN route does not take.

@@ -320,9 +320,11 @@ TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
     int64_t batch, rows, in, out;
   };
   // 300 rows: one block of 256 and a tail; 4 rows × 512 × 256: the smallest product routed; one
-  // row × 128 × 384 (a decoded token's), routed only where the float32 GEMM takes the products.
+  // row × 128 × 384 (a decoded token's), routed only where the float32 GEMM takes the products;
+  // 1100 rows: the weight's gradient, a sum over the rows, split among tasks (float32 GEMM route).
   const bool float32_route = qkv::detail::bfloat16_products() == qkv::detail::Bfloat16Products::Float32;
-  for (const auto& s : {Shape{2, 64, 128, 384}, Shape{1, 300, 96, 161}, Shape{1, 4, 512, 256}, Shape{1, 1, 128, 384}}) {
+  for (const auto& s : {Shape{2, 64, 128, 384}, Shape{1, 300, 96, 161}, Shape{1, 4, 512, 256}, Shape{1, 1, 128, 384},
+                        Shape{1, 1100, 40, 48}}) {
     const bool large = s.batch * s.rows * s.in * s.out >= qkv::detail::kOneDnnFromMultiplyAdds;
     for (auto x_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced}) {
       for (auto w_layout : {OperandLayout::Contiguous, OperandLayout::Transposed}) {

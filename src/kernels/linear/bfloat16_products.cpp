@@ -50,6 +50,47 @@ QKV_ROUNDING_CLONES void widen_values(const uint16_t* __restrict from, float* __
 
 const uint16_t* bits_of(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
+// The length of the sum multiplied per chunk on the float32 GEMM: a 256-row block's chunk of A and
+// a chunk of a 512-wide B take 256 KiB and 512 KiB of float32.
+constexpr int64_t kSumChunk = 256;
+
+// rows × cols bfloat16 values (row stride ld) widened into a contiguous float32 block.
+void widen_block(const uint16_t* from, int64_t ld, int64_t rows, int64_t cols, float* into) {
+  for (int64_t r = 0; r < rows; ++r) widen_values(from + r * ld, into + r * cols, cols);
+}
+
+// Chunks of the sum per task where multiply_bfloat16 splits a long sum among the threads.
+constexpr int64_t kChunksPerGroup = 4;
+
+// multiply_bfloat16 on the float32 GEMM, on this thread (or oneDNN's, outside a parallel region):
+// the sum over k in chunks, each chunk's part of op(A) (m × chunk) and op(B) (chunk × n) widened
+// into scratch as stored (a transposed operand stays transposed), then multiplied into C.
+void multiply_widened(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const uint16_t* a,
+                      int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const auto& onednn = OneDnnGemm::instance();
+  const int64_t chunk_size = std::min(k, kSumChunk);
+  std::vector<float> a_chunk(static_cast<size_t>(m * chunk_size)), b_chunk(static_cast<size_t>(chunk_size * n));
+  for (int64_t first = 0; first < k; first += kSumChunk) {
+    const int64_t chunk = std::min(kSumChunk, k - first);
+    // op(A)[:, first:first+chunk]: rows of Aᵀ's storage (chunk × m), or a column block (m × chunk)
+    const int64_t a_ld = transpose_a ? m : chunk;
+    if (transpose_a) {
+      widen_block(a + first * lda, lda, chunk, m, a_chunk.data());
+    } else {
+      widen_block(a + first, lda, m, chunk, a_chunk.data());
+    }
+    // op(B)[first:first+chunk, :]: a column block of Bᵀ's storage (n × chunk), or rows (chunk × n)
+    const int64_t b_ld = transpose_b ? chunk : n;
+    if (transpose_b) {
+      widen_block(b + first, ldb, n, chunk, b_chunk.data());
+    } else {
+      widen_block(b + first * ldb, ldb, chunk, n, b_chunk.data());
+    }
+    onednn.multiply(transpose_a, transpose_b, m, n, chunk, a_chunk.data(), a_ld, b_chunk.data(), b_ld,
+                    first == 0 ? beta : 1.0f, c, ldc);
+  }
+}
+
 }  // namespace
 
 at::Tensor round_to_bfloat16(const at::Tensor& t) {
@@ -87,28 +128,61 @@ at::Tensor bfloat16_values(const at::Tensor& t) {
   return out;
 }
 
-at::Tensor bfloat16_product(int64_t m, int64_t n, int64_t k, const GemmOperand& a, const GemmOperand& b,
-                            const at::Tensor& bias) {
+void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k,
+                       const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
+                       int64_t ldc) {
+  if (gemm == Bfloat16Gemm::OneDnn) {
+    OneDnnGemm::instance().multiply_bf16(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  if (at::in_parallel_region()) {  // a task of the caller's: on this thread
+    multiply_widened(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  if (!transpose_a && m > kRowsPerTask) {  // blocks of C's rows, one task each
+    at::parallel_for(0, (m + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t first = task * kRowsPerTask, rows = std::min(kRowsPerTask, m - first);
+        multiply_widened(false, transpose_b, rows, n, k, a + first * lda, lda, b, ldb, beta, c + first * ldc, ldc);
+      }
+    });
+    return;
+  }
+  // A long sum (a weight's gradient: k = the rows): groups of it, one task each, each into a C of
+  // its own, added in a fixed order (the result does not depend on the threads).
+  const int64_t group = kSumChunk * kChunksPerGroup, groups = (k + group - 1) / group;
+  if (groups == 1) {
+    multiply_widened(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  std::vector<float> partial(static_cast<size_t>(groups * m * n));
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * group, length = std::min(group, k - first);
+      // op(A)[:, first:] and op(B)[first:, :] as stored
+      const uint16_t* a_part = transpose_a ? a + first * lda : a + first;
+      const uint16_t* b_part = transpose_b ? b + first : b + first * ldb;
+      multiply_widened(transpose_a, transpose_b, m, n, length, a_part, lda, b_part, ldb, 0.0f,
+                       partial.data() + g * m * n, n);
+    }
+  });
+  for (int64_t r = 0; r < m; ++r) {
+    float* row = c + r * ldc;
+    for (int64_t col = 0; col < n; ++col) {
+      float sum = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) sum += partial[static_cast<size_t>((g * m + r) * n + col)];
+      row[col] = (beta == 0.0f ? 0.0f : beta * row[col]) + sum;
+    }
+  }
+}
+
+at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, const Bf16Operand& a,
+                            const Bf16Operand& b, const at::Tensor& bias) {
   TORCH_CHECK(!a.transposed, "qkv: bfloat16_product splits the rows of its left operand: it cannot be transposed");
-  const auto type = a.tensor.scalar_type();
-  TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && b.tensor.scalar_type() == type,
-              "qkv: bfloat16_product expected two bfloat16 or two float32 operands, got ", type, " and ",
-              b.tensor.scalar_type());
-  const auto& gemm = OneDnnGemm::instance();
   auto out = at::empty({m, n}, a.tensor.options().dtype(at::kBFloat16));
   const auto bias_values = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
   const float* bias_row = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
-  // (rows × n) into `block` = the rows of A from `first` on times B, + block where there is a bias.
-  const auto multiply = [&](int64_t first, int64_t rows, float* block) {
-    const float beta = bias_row ? 1.0f : 0.0f;
-    if (type == at::kBFloat16) {
-      gemm.multiply_bf16(false, b.transposed, rows, n, k, bits_of(a.tensor) + first * a.ld, a.ld, bits_of(b.tensor),
-                         b.ld, beta, block, n);
-    } else {
-      gemm.multiply(false, b.transposed, rows, n, k, a.tensor.data_ptr<float>() + first * a.ld, a.ld,
-                    b.tensor.data_ptr<float>(), b.ld, beta, block, n);
-    }
-  };
+  const uint16_t *a_bits = bits_of(a.tensor), *b_bits = bits_of(b.tensor);
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
   // Inside a task oneDNN's GEMM sees it runs in a parallel region and stays on the task's thread.
@@ -119,14 +193,16 @@ at::Tensor bfloat16_product(int64_t m, int64_t n, int64_t k, const GemmOperand& 
       if (bias_row) {
         for (int64_t r = 0; r < rows; ++r) std::copy(bias_row, bias_row + n, block.data() + r * n);
       }
-      multiply(first, rows, block.data());
+      multiply_bfloat16(gemm, false, b.transposed, rows, n, k, a_bits + first * a.ld, a.ld, b_bits, b.ld,
+                        bias_row ? 1.0f : 0.0f, block.data(), n);
       round_values(block.data(), out_bits + first * n, rows * n);
     }
   });
   return out;
 }
 
-at::Tensor bfloat16_column_sums(const at::Tensor& rows) {
+
+at::Tensor bfloat16_column_sums(Bfloat16Gemm gemm, const at::Tensor& rows) {
   TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && rows.dim() == 2 && rows.is_contiguous(),
               "qkv: bfloat16_column_sums expected a contiguous bfloat16 matrix, got ", rows.scalar_type(), " ",
               rows.sizes());
@@ -134,8 +210,7 @@ at::Tensor bfloat16_column_sums(const at::Tensor& rows) {
   auto sums = at::empty({n}, rows.options().dtype(at::kFloat));
   const auto ones = at::ones({m}, rows.options());
   // (1 × n) = ones (1 × m) · rows (m × n)
-  OneDnnGemm::instance().multiply_bf16(false, false, 1, n, m, bits_of(ones), m, bits_of(rows), n, 0.0f,
-                                       sums.data_ptr<float>(), n);
+  multiply_bfloat16(gemm, false, false, 1, n, m, bits_of(ones), m, bits_of(rows), n, 0.0f, sums.data_ptr<float>(), n);
   return sums;
 }
 

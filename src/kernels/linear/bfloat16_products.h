@@ -25,29 +25,39 @@ at::Tensor round_to_bfloat16(const at::Tensor& t);
 at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype);
 
 /// `t` (float32 or bfloat16) rounded to bfloat16 and held in float32: a float32 `t` rounded as
-/// round_to_bfloat16 rounds, a bfloat16 one widened (exact). The operands of bfloat16 products on a
-/// float32 GEMM, for CPUs without bfloat16 instructions. Contiguous CPU tensors by qkv's loops,
-/// anything else by LibTorch's conversions.
+/// round_to_bfloat16 rounds, a bfloat16 one widened (exact): LibTorch's float32 ops on bfloat16
+/// values (the GELU of src/activation.h). Contiguous CPU tensors by qkv's loops, anything else by
+/// LibTorch's conversions.
 at::Tensor bfloat16_values(const at::Tensor& t);
 
-/// A matrix operand of a product: row-major with row stride `ld`, or (transposed) its transpose
-/// stored so; bfloat16, or float32 holding bfloat16 values (bfloat16_values).
-struct GemmOperand {
-  const at::Tensor& tensor;
+/// Which GEMM multiplies bfloat16 operands: oneDNN's bfloat16 GEMM (OneDnnGemm::multiply_bf16,
+/// which must be available), or its float32 GEMM with the operands widened to float32 a block of
+/// 256 along the sum at a time, in cache (CPUs without bfloat16 instructions: whole operands widened
+/// first cost a pass over memory each, 3.2% of the lm's bf16-mixed step there).
+enum class Bfloat16Gemm { OneDnn, Float32 };
+
+/// C (m × n, float32, row stride ldc) = op(A) · op(B) + beta · C, A and B bfloat16 (the raw bits),
+/// each row-major with its row stride or transposed (as OneDnnGemm::multiply), on `gemm`; m, n, k > 0.
+void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k,
+                       const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
+                       int64_t ldc);
+
+/// A bfloat16 matrix operand of a product: row-major with row stride `ld`, or (transposed) its
+/// transpose stored so.
+struct Bf16Operand {
+  const at::Tensor& tensor;  // bfloat16
   bool transposed = false;
   int64_t ld = 0;
 };
 
-/// (m × n) bfloat16 = round(op(a) (m × k) · op(b) (k × n) + bias), accumulated in float32, the bias
-/// (float32 or bfloat16, n values, or undefined) added in float32 before the one rounding. `a` and
-/// `b` both bfloat16 (oneDNN's bfloat16 GEMM, OneDnnGemm::multiply_bf16, which must be available)
-/// or both float32 (OneDnnGemm::multiply). `a` must not be transposed (its rows are split among the
-/// threads).
-at::Tensor bfloat16_product(int64_t m, int64_t n, int64_t k, const GemmOperand& a, const GemmOperand& b,
-                            const at::Tensor& bias);
+/// (m × n) bfloat16 = round(op(a) (m × k) · op(b) (k × n) + bias), accumulated in float32 on `gemm`,
+/// the bias (float32 or bfloat16, n values, or undefined) added in float32 before the one rounding.
+/// `a` must not be transposed (its rows are split among the threads).
+at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, const Bf16Operand& a,
+                            const Bf16Operand& b, const at::Tensor& bias);
 
-/// The float32 sums of the columns of a (m × n) contiguous bfloat16 matrix, as one GEMM with a row
-/// of ones: (n).
-at::Tensor bfloat16_column_sums(const at::Tensor& rows);
+/// The float32 sums of the columns of a (m × n) contiguous bfloat16 matrix, as one GEMM on `gemm`
+/// with a row of ones: (n).
+at::Tensor bfloat16_column_sums(Bfloat16Gemm gemm, const at::Tensor& rows);
 
 }  // namespace qkv::kernels::linear
