@@ -14,9 +14,6 @@ namespace {
 using kernels::linear::bfloat16_values;
 using kernels::linear::round_to_bfloat16;
 
-// A bfloat16 tensor's values in float32 (exact), a float32 one as it is.
-at::Tensor in_float32(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : bfloat16_values(t); }
-
 struct GeluThroughFloat32 : torch::autograd::Function<GeluThroughFloat32> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
     // x in bfloat16, not its float32 copy: the activation's memory stays what bfloat16 promised
@@ -30,7 +27,8 @@ struct GeluThroughFloat32 : torch::autograd::Function<GeluThroughFloat32> {
     if (torch::GradMode::is_enabled()) {  // create_graph: LibTorch's differentiable ops on x itself
       return {at::gelu_backward(grads[0].to(at::kFloat), x.to(at::kFloat)).to(at::kBFloat16)};
     }
-    return {round_to_bfloat16(at::gelu_backward(in_float32(grads[0].contiguous()), bfloat16_values(x)))};
+    // The gradient of a bfloat16 output is bfloat16: widened exactly, as x.
+    return {round_to_bfloat16(at::gelu_backward(bfloat16_values(grads[0].contiguous()), bfloat16_values(x)))};
   }
 };
 

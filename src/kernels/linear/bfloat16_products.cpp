@@ -40,10 +40,6 @@ QKV_ROUNDING_CLONES void round_values(const float* __restrict from, uint16_t* __
   for (int64_t i = 0; i < count; ++i) into[i] = float_to_bfloat16_bits(from[i]);
 }
 
-QKV_ROUNDING_CLONES void round_values_kept_float32(const float* __restrict from, float* __restrict into, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) into[i] = bfloat16_bits_to_float(float_to_bfloat16_bits(from[i]));
-}
-
 QKV_ROUNDING_CLONES void widen_values(const uint16_t* __restrict from, float* __restrict into, int64_t count) {
   for (int64_t i = 0; i < count; ++i) into[i] = bfloat16_bits_to_float(from[i]);
 }
@@ -109,22 +105,15 @@ at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype) {
 }
 
 at::Tensor bfloat16_values(const at::Tensor& t) {
-  const bool in_place = t.is_contiguous() && t.device().is_cpu();
-  if (!in_place || (t.scalar_type() != at::kFloat && t.scalar_type() != at::kBFloat16)) {
+  if (t.scalar_type() == at::kFloat) return bfloat16_values(round_to_bfloat16(t));
+  if (t.scalar_type() != at::kBFloat16 || !t.is_contiguous() || !t.device().is_cpu()) {
     return t.to(at::kBFloat16).to(at::kFloat);
   }
   auto out = at::empty(t.sizes(), t.options().dtype(at::kFloat));
+  const uint16_t* from = bits_of(t);
   float* into = out.data_ptr<float>();
-  if (t.scalar_type() == at::kFloat) {
-    const float* from = t.data_ptr<float>();
-    at::parallel_for(0, t.numel(), kRoundingGrain, [&](int64_t begin, int64_t end) {
-      round_values_kept_float32(from + begin, into + begin, end - begin);
-    });
-  } else {
-    const uint16_t* from = bits_of(t);
-    at::parallel_for(0, t.numel(), kRoundingGrain,
-                     [&](int64_t begin, int64_t end) { widen_values(from + begin, into + begin, end - begin); });
-  }
+  at::parallel_for(0, t.numel(), kRoundingGrain,
+                   [&](int64_t begin, int64_t end) { widen_values(from + begin, into + begin, end - begin); });
   return out;
 }
 
@@ -200,7 +189,6 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
   });
   return out;
 }
-
 
 at::Tensor bfloat16_column_sums(Bfloat16Gemm gemm, const at::Tensor& rows) {
   TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && rows.dim() == 2 && rows.is_contiguous(),
