@@ -58,14 +58,32 @@ void widen_block(const uint16_t* from, int64_t ld, int64_t rows, int64_t cols, f
 // Chunks of the sum per task where multiply_bfloat16 splits a long sum among the threads.
 constexpr int64_t kChunksPerGroup = 4;
 
+// op(B) for multiply_widened: its bfloat16 bits (row stride ld, widened chunk by chunk), or, where
+// every block of C's rows reads all of it, widened once beforehand (widen_whole; ld its row stride).
+struct RightOperand {
+  const uint16_t* bits = nullptr;
+  const float* widened = nullptr;
+  int64_t ld = 0;
+};
+
+// op(B) as stored (k × n, or n × k transposed), widened to a contiguous float32 matrix.
+std::vector<float> widen_whole(bool transposed, int64_t k, int64_t n, const uint16_t* b, int64_t ldb) {
+  const int64_t rows = transposed ? n : k, cols = transposed ? k : n;
+  std::vector<float> widened(static_cast<size_t>(rows * cols));
+  widen_block(b, ldb, rows, cols, widened.data());
+  return widened;
+}
+
 // multiply_bfloat16 on the float32 GEMM, on this thread (or oneDNN's, outside a parallel region):
-// the sum over k in chunks, each chunk's part of op(A) (m × chunk) and op(B) (chunk × n) widened
-// into scratch as stored (a transposed operand stays transposed), then multiplied into C.
+// the sum over k in chunks, each chunk's part of op(A) (m × chunk) and, unless it came widened, of
+// op(B) (chunk × n) widened into scratch as stored (a transposed operand stays transposed), then
+// multiplied into C.
 void multiply_widened(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const uint16_t* a,
-                      int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+                      int64_t lda, const RightOperand& b, float beta, float* c, int64_t ldc) {
   const auto& onednn = OneDnnGemm::instance();
   const int64_t chunk_size = std::min(k, kSumChunk);
-  std::vector<float> a_chunk(static_cast<size_t>(m * chunk_size)), b_chunk(static_cast<size_t>(chunk_size * n));
+  std::vector<float> a_chunk(static_cast<size_t>(m * chunk_size));
+  std::vector<float> b_chunk(b.widened ? 0 : static_cast<size_t>(chunk_size * n));
   for (int64_t first = 0; first < k; first += kSumChunk) {
     const int64_t chunk = std::min(kSumChunk, k - first);
     // op(A)[:, first:first+chunk]: rows of Aᵀ's storage (chunk × m), or a column block (m × chunk)
@@ -76,13 +94,20 @@ void multiply_widened(bool transpose_a, bool transpose_b, int64_t m, int64_t n, 
       widen_block(a + first, lda, m, chunk, a_chunk.data());
     }
     // op(B)[first:first+chunk, :]: a column block of Bᵀ's storage (n × chunk), or rows (chunk × n)
-    const int64_t b_ld = transpose_b ? chunk : n;
-    if (transpose_b) {
-      widen_block(b + first, ldb, n, chunk, b_chunk.data());
+    const float* b_part = nullptr;
+    int64_t b_ld = b.ld;
+    if (b.widened) {
+      b_part = transpose_b ? b.widened + first : b.widened + first * b.ld;
     } else {
-      widen_block(b + first * ldb, ldb, chunk, n, b_chunk.data());
+      b_ld = transpose_b ? chunk : n;
+      if (transpose_b) {
+        widen_block(b.bits + first, b.ld, n, chunk, b_chunk.data());
+      } else {
+        widen_block(b.bits + first * b.ld, b.ld, chunk, n, b_chunk.data());
+      }
+      b_part = b_chunk.data();
     }
-    onednn.multiply(transpose_a, transpose_b, m, n, chunk, a_chunk.data(), a_ld, b_chunk.data(), b_ld,
+    onednn.multiply(transpose_a, transpose_b, m, n, chunk, a_chunk.data(), a_ld, b_part, b_ld,
                     first == 0 ? beta : 1.0f, c, ldc);
   }
 }
@@ -125,14 +150,16 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
     return;
   }
   if (at::in_parallel_region()) {  // a task of the caller's: on this thread
-    multiply_widened(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    multiply_widened(transpose_a, transpose_b, m, n, k, a, lda, {b, nullptr, ldb}, beta, c, ldc);
     return;
   }
-  if (!transpose_a && m > kRowsPerTask) {  // blocks of C's rows, one task each
+  if (!transpose_a && m > kRowsPerTask) {  // blocks of C's rows, one task each, all reading op(B)
+    const auto widened = widen_whole(transpose_b, k, n, b, ldb);
+    const RightOperand right{nullptr, widened.data(), transpose_b ? k : n};
     at::parallel_for(0, (m + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t first = task * kRowsPerTask, rows = std::min(kRowsPerTask, m - first);
-        multiply_widened(false, transpose_b, rows, n, k, a + first * lda, lda, b, ldb, beta, c + first * ldc, ldc);
+        multiply_widened(false, transpose_b, rows, n, k, a + first * lda, lda, right, beta, c + first * ldc, ldc);
       }
     });
     return;
@@ -141,7 +168,7 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
   // its own, added in a fixed order (the result does not depend on the threads).
   const int64_t group = kSumChunk * kChunksPerGroup, groups = (k + group - 1) / group;
   if (groups == 1) {
-    multiply_widened(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    multiply_widened(transpose_a, transpose_b, m, n, k, a, lda, {b, nullptr, ldb}, beta, c, ldc);
     return;
   }
   std::vector<float> partial(static_cast<size_t>(groups * m * n));
@@ -151,7 +178,7 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
       // op(A)[:, first:] and op(B)[first:, :] as stored
       const uint16_t* a_part = transpose_a ? a + first * lda : a + first;
       const uint16_t* b_part = transpose_b ? b + first : b + first * ldb;
-      multiply_widened(transpose_a, transpose_b, m, n, length, a_part, lda, b_part, ldb, 0.0f,
+      multiply_widened(transpose_a, transpose_b, m, n, length, a_part, lda, {b_part, nullptr, ldb}, 0.0f,
                        partial.data() + g * m * n, n);
     }
   });
@@ -174,6 +201,10 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
   const uint16_t *a_bits = bits_of(a.tensor), *b_bits = bits_of(b.tensor);
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
+  // On the float32 GEMM every task reads all of op(b): widened once here, not per task.
+  std::vector<float> b_widened;
+  if (gemm == Bfloat16Gemm::Float32) b_widened = widen_whole(b.transposed, k, n, b_bits, b.ld);
+  const RightOperand right{nullptr, b_widened.data(), b.transposed ? k : n};
   // Inside a task oneDNN's GEMM sees it runs in a parallel region and stays on the task's thread.
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> block(static_cast<size_t>(std::min(kRowsPerTask, m) * n));
@@ -182,8 +213,13 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
       if (bias_row) {
         for (int64_t r = 0; r < rows; ++r) std::copy(bias_row, bias_row + n, block.data() + r * n);
       }
-      multiply_bfloat16(gemm, false, b.transposed, rows, n, k, a_bits + first * a.ld, a.ld, b_bits, b.ld,
-                        bias_row ? 1.0f : 0.0f, block.data(), n);
+      const float beta = bias_row ? 1.0f : 0.0f;
+      if (gemm == Bfloat16Gemm::Float32) {
+        multiply_widened(false, b.transposed, rows, n, k, a_bits + first * a.ld, a.ld, right, beta, block.data(), n);
+      } else {
+        OneDnnGemm::instance().multiply_bf16(false, b.transposed, rows, n, k, a_bits + first * a.ld, a.ld, b_bits, b.ld,
+                                             beta, block.data(), n);
+      }
       round_values(block.data(), out_bits + first * n, rows * n);
     }
   });
