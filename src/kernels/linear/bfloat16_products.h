@@ -21,6 +21,11 @@ namespace qkv::kernels::linear {
 /// by t.to(kBFloat16).
 at::Tensor round_to_bfloat16(const at::Tensor& t);
 
+/// `count` float32 values rounded to bfloat16 bits as round_to_bfloat16 rounds them, and `count`
+/// bfloat16 bits widened to float32 (exact): vector loops on the calling thread.
+void round_values(const float* from, uint16_t* into, int64_t count);
+void widen_values(const uint16_t* from, float* into, int64_t count);
+
 /// `t` (float32) in `dtype`: round_to_bfloat16 for bfloat16, else t.to(dtype).
 at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype);
 

@@ -2,6 +2,7 @@
 // keeps the comparisons below as branches and does not vectorise the loops.
 #include "kernels/tiled/vector_math.h"
 
+#include "kernels/bfloat16_bits.h"
 #include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/lane_shuffles.h"
 
@@ -459,6 +460,37 @@ QKV_TARGET_BF16 void transpose_avx512(const float* x, int64_t x_stride, int64_t 
     }
   }
 }
+
+// transpose in 8 × 8 squares of AVX2 registers; the squares cut by the edges value by value.
+__attribute__((target("avx2,fma"))) void transpose_avx2(const float* x, int64_t x_stride, int64_t rows, int64_t cols,
+                                                        float* out, int64_t out_stride) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 8) {
+      if (r0 + 8 > rows || c0 + 8 > cols) {
+        for (int64_t r = r0; r < std::min(rows, r0 + 8); ++r) {
+          for (int64_t c = c0; c < std::min(cols, c0 + 8); ++c) out[c * out_stride + r] = x[r * x_stride + c];
+        }
+        continue;
+      }
+      __m256 row[8], pair[8];
+      for (int64_t i = 0; i < 8; ++i) row[i] = _mm256_loadu_ps(x + (r0 + i) * x_stride + c0);
+      for (int64_t i = 0; i < 8; i += 2) {  // (r_i c_j, r_i+1 c_j) side by side, per 128-bit half
+        pair[i] = _mm256_unpacklo_ps(row[i], row[i + 1]);
+        pair[i + 1] = _mm256_unpackhi_ps(row[i], row[i + 1]);
+      }
+      for (int64_t i = 0; i < 8; i += 4) {  // four rows of one column per 128-bit half
+        row[i] = _mm256_shuffle_ps(pair[i], pair[i + 2], 0x44);
+        row[i + 1] = _mm256_shuffle_ps(pair[i], pair[i + 2], 0xEE);
+        row[i + 2] = _mm256_shuffle_ps(pair[i + 1], pair[i + 3], 0x44);
+        row[i + 3] = _mm256_shuffle_ps(pair[i + 1], pair[i + 3], 0xEE);
+      }
+      for (int64_t c = 0; c < 4; ++c) {  // rows 0-3 and 4-7 of columns c and c + 4 joined
+        _mm256_storeu_ps(out + (c0 + c) * out_stride + r0, _mm256_permute2f128_ps(row[c], row[c + 4], 0x20));
+        _mm256_storeu_ps(out + (c0 + c + 4) * out_stride + r0, _mm256_permute2f128_ps(row[c], row[c + 4], 0x31));
+      }
+    }
+  }
+}
 #endif
 
 // The same passes in plain C++ (and the reference their tests hold the vector ones to): P by the
@@ -554,6 +586,7 @@ void transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, flo
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (bf16_vectors()) return &transpose_avx512;
+    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &transpose_avx2;
 #endif
     return &transpose_portable;
   }();
@@ -605,6 +638,75 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_into_bf16_avx512
     _mm256_mask_storeu_epi16(out + i, lanes, _mm512_cvtepi32_epi16(rounded));
   }
 }
+// The same row operations on 8-lane AVX2 vectors, for CPUs without AVX-512 (where a bfloat16
+// attention runs float32 products on widened blocks). The dot products keep two vectors of
+// partial sums, the 16 lanes of the other versions.
+inline float dot_tail(float sum, const float* a, const float* b, int64_t from, int64_t n) {
+  for (int64_t i = from; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline float dot_tail(float sum, const uint16_t* a, const uint16_t* b, int64_t from, int64_t n) {
+  for (int64_t i = from; i < n; ++i) sum += bfloat16_bits_to_float(a[i]) * bfloat16_bits_to_float(b[i]);
+  return sum;
+}
+
+__attribute__((target("avx2,fma"))) inline float sum_of_lanes(__m256 low, __m256 high) {
+  const __m256 both = _mm256_add_ps(low, high);
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    low = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), low);
+    high = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), high);
+  }
+  return dot_tail(sum_of_lanes(low, high), a, b, i, n);
+}
+
+// 8 bfloat16 values widened to float32: their bits are the high half of the float's.
+__attribute__((target("avx2,fma"))) inline __m256 widen_bf16_avx2(const uint16_t* x) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+__attribute__((target("avx2,fma"))) float dot_bf16_avx2(const uint16_t* a, const uint16_t* b, int64_t n) {
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    low = _mm256_fmadd_ps(widen_bf16_avx2(a + i), widen_bf16_avx2(b + i), low);
+    high = _mm256_fmadd_ps(widen_bf16_avx2(a + i + 8), widen_bf16_avx2(b + i + 8), high);
+  }
+  return dot_tail(sum_of_lanes(low, high), a, b, i, n);
+}
+
+// 8 float32 bit patterns rounded to bfloat16 as bf16_bits does, in the low half of each lane.
+__attribute__((target("avx2,fma"))) inline __m256i rounded_bf16_avx2(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), _mm256_and_si256(high, _mm256_set1_epi32(1))),
+      16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+}
+
+__attribute__((target("avx2,fma"))) void scale_into_bf16_avx2(const float* x, int64_t n, float factor,
+                                                              uint16_t* out) {
+  const __m256 factor_v = _mm256_set1_ps(factor);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i low = rounded_bf16_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i), factor_v));
+    const __m256i high = rounded_bf16_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), factor_v));
+    // packus interleaves the two vectors by 128-bit halves: 0-3 8-11 4-7 12-15, put back in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+  }
+  for (; i < n; ++i) out[i] = bf16_bits(x[i] * factor);
+}
 #endif
 
 inline float widened(float value) { return value; }
@@ -630,6 +732,7 @@ float dot(const float* a, const float* b, int64_t n) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &dot_avx512;
+    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &dot_avx2;
 #endif
     return &dot_portable<float>;
   }();
@@ -640,6 +743,7 @@ float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &dot_bf16_avx512;
+    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &dot_bf16_avx2;
 #endif
     return &dot_portable<uint16_t>;
   }();
@@ -654,6 +758,7 @@ void scale_into(const float* x, int64_t n, float factor, uint16_t* out) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &scale_into_bf16_avx512;
+    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &scale_into_bf16_avx2;
 #endif
     return &scale_into_bf16_portable;
   }();
