@@ -485,7 +485,7 @@ TEST(Activation, GeluOfBfloat16MatchesFloat64) {
   torch::manual_seed(18);
   const auto values = torch::cat({torch::randn({4096}) * 3, torch::randn({64}) * 30,
                                   torch::tensor({0.0f, -0.0f, 1e-30f, -1e-30f, -5.0f, -9.0f, 12.0f, 1e30f}),
-                                  torch::randn({70000}) * 2})  // the float32 route's chunks: 2 whole, 1 cut
+                                  torch::randn({270000}) * 2})  // the float32 route's chunks: 2 whole, 1 cut
                           .to(torch::kBFloat16);
   const auto probe = torch::randn({values.size(0)}).to(torch::kBFloat16);
   const auto x64 = values.to(torch::kDouble).requires_grad_(true);

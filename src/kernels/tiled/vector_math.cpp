@@ -668,30 +668,14 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   return dot_tail(sum_of_lanes(low, high), a, b, i, n);
 }
 
-// 8 bfloat16 values widened to float32: their bits are the high half of the float's.
-__attribute__((target("avx2,fma"))) inline __m256 widen_bf16_avx2(const uint16_t* x) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-
 __attribute__((target("avx2,fma"))) float dot_bf16_avx2(const uint16_t* a, const uint16_t* b, int64_t n) {
   __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    low = _mm256_fmadd_ps(widen_bf16_avx2(a + i), widen_bf16_avx2(b + i), low);
-    high = _mm256_fmadd_ps(widen_bf16_avx2(a + i + 8), widen_bf16_avx2(b + i + 8), high);
+    low = _mm256_fmadd_ps(widen8_bfloat16(a + i), widen8_bfloat16(b + i), low);
+    high = _mm256_fmadd_ps(widen8_bfloat16(a + i + 8), widen8_bfloat16(b + i + 8), high);
   }
   return dot_tail(sum_of_lanes(low, high), a, b, i, n);
-}
-
-// 8 float32 bit patterns rounded to bfloat16 as bf16_bits does, in the low half of each lane.
-__attribute__((target("avx2,fma"))) inline __m256i rounded_bf16_avx2(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), _mm256_and_si256(high, _mm256_set1_epi32(1))),
-      16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
 }
 
 __attribute__((target("avx2,fma"))) void scale_into_bf16_avx2(const float* x, int64_t n, float factor,
@@ -699,11 +683,8 @@ __attribute__((target("avx2,fma"))) void scale_into_bf16_avx2(const float* x, in
   const __m256 factor_v = _mm256_set1_ps(factor);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256i low = rounded_bf16_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i), factor_v));
-    const __m256i high = rounded_bf16_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), factor_v));
-    // packus interleaves the two vectors by 128-bit halves: 0-3 8-11 4-7 12-15, put back in order
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+    store8_bfloat16(round8_to_bfloat16(_mm256_mul_ps(_mm256_loadu_ps(x + i), factor_v)), out + i);
+    store8_bfloat16(round8_to_bfloat16(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), factor_v)), out + i + 8);
   }
   for (; i < n; ++i) out[i] = bf16_bits(x[i] * factor);
 }
