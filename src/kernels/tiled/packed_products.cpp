@@ -361,13 +361,7 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
     thread_local AlignedVector<float> scratch;
     scratch.resize(static_cast<size_t>(m * k));
     for (int64_t r = 0; r < m; ++r) {
-      const c10::BFloat16* row = a.data + r * a.row_stride;
-      float* into = scratch.data() + r * k;
-      if (a.col_stride == 1) {  // a contiguous row: a loop the compiler vectorises
-        for (int64_t p = 0; p < k; ++p) into[p] = as_float(row[p]);
-      } else {
-        for (int64_t p = 0; p < k; ++p) into[p] = as_float(row[p * a.col_stride]);
-      }
+      for (int64_t p = 0; p < k; ++p) scratch[r * k + p] = as_float(a.data[r * a.row_stride + p * a.col_stride]);
     }
     multiply_float(scratch.data(), k, 1, m, b, k, n, alpha, beta, c, ldc);
   }
@@ -381,32 +375,6 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
               "tiled kernel: bfloat16 products need AVX512_BF16 or AMX-BF16, asked of ", isa_name(kind.isa));
   TORCH_CHECK(at_least(detected_isa(), kind.isa), "tiled kernel: ", isa_name(kind.isa),
               " products asked of a CPU with ", isa_name(detected_isa()));
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (!kind.bf16) {
-      // float32 products of bfloat16 values: widened first, in the order they are stored, then
-      // packed as float32 (whole rows, or 16 × 16 transposes). Widened value by value into the
-      // panels, the lm's attention spent 2.4% of its bf16-mixed step here (perf, AVX2 emulated on
-      // AMD EPYC Zen 5).
-      thread_local AlignedVector<float> widened;
-      widened.resize(static_cast<size_t>(k * n));
-      if (b.row_stride == 1 && b.col_stride != 1) {  // B = Xᵀ: X's n rows of k values
-        for (int64_t j = 0; j < n; ++j) {
-          const c10::BFloat16* row = b.data + j * b.col_stride;
-          for (int64_t p = 0; p < k; ++p) widened[j * k + p] = as_float(row[p]);
-        }
-        return pack_any(Strided<float>{widened.data(), 1, k}, k, n, kind);
-      }
-      for (int64_t p = 0; p < k; ++p) {
-        const c10::BFloat16* row = b.data + p * b.row_stride;
-        if (b.col_stride == 1) {
-          for (int64_t j = 0; j < n; ++j) widened[p * n + j] = as_float(row[j]);
-        } else {
-          for (int64_t j = 0; j < n; ++j) widened[p * n + j] = as_float(row[j * b.col_stride]);
-        }
-      }
-      return pack_any(Strided<float>{widened.data(), n, 1}, k, n, kind);
-    }
-  }
   kind_ = kind, k_ = k, n_ = n, panel_ = columns_per_panel(kind, n);
   const auto at = [&](int64_t p, int64_t j) { return b.data[p * b.row_stride + j * b.col_stride]; };
   if (kind.bf16) {
