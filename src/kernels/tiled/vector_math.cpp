@@ -595,6 +595,9 @@ void transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, flo
 
 namespace {
 
+inline float widened(float value) { return value; }
+inline float widened(uint16_t bits) { return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())); }
+
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, int64_t n) {
   __m512 sum = _mm512_setzero_ps();
@@ -641,15 +644,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_into_bf16_avx512
 // The same row operations on 8-lane AVX2 vectors, for CPUs without AVX-512 (where a bfloat16
 // attention runs float32 products on widened blocks). The dot products keep two vectors of
 // partial sums, the 16 lanes of the other versions.
-inline float dot_tail(float sum, const float* a, const float* b, int64_t from, int64_t n) {
-  for (int64_t i = from; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline float dot_tail(float sum, const uint16_t* a, const uint16_t* b, int64_t from, int64_t n) {
-  for (int64_t i = from; i < n; ++i) sum += bfloat16_bits_to_float(a[i]) * bfloat16_bits_to_float(b[i]);
-  return sum;
-}
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* x) { return widen8_bfloat16(x); }
 
 __attribute__((target("avx2,fma"))) inline float sum_of_lanes(__m256 low, __m256 high) {
   const __m256 both = _mm256_add_ps(low, high);
@@ -658,24 +654,17 @@ __attribute__((target("avx2,fma"))) inline float sum_of_lanes(__m256 low, __m256
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t n) {
+template <typename T>
+__attribute__((target("avx2,fma"))) float dot_avx2(const T* a, const T* b, int64_t n) {
   __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    low = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), low);
-    high = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), high);
+    low = _mm256_fmadd_ps(load8(a + i), load8(b + i), low);
+    high = _mm256_fmadd_ps(load8(a + i + 8), load8(b + i + 8), high);
   }
-  return dot_tail(sum_of_lanes(low, high), a, b, i, n);
-}
-
-__attribute__((target("avx2,fma"))) float dot_bf16_avx2(const uint16_t* a, const uint16_t* b, int64_t n) {
-  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    low = _mm256_fmadd_ps(widen8_bfloat16(a + i), widen8_bfloat16(b + i), low);
-    high = _mm256_fmadd_ps(widen8_bfloat16(a + i + 8), widen8_bfloat16(b + i + 8), high);
-  }
-  return dot_tail(sum_of_lanes(low, high), a, b, i, n);
+  float sum = sum_of_lanes(low, high);
+  for (; i < n; ++i) sum += widened(a[i]) * widened(b[i]);
+  return sum;
 }
 
 __attribute__((target("avx2,fma"))) void scale_into_bf16_avx2(const float* x, int64_t n, float factor,
@@ -690,8 +679,6 @@ __attribute__((target("avx2,fma"))) void scale_into_bf16_avx2(const float* x, in
 }
 #endif
 
-inline float widened(float value) { return value; }
-inline float widened(uint16_t bits) { return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())); }
 
 // The vector versions' 16 partial sums (lane i mod 16), then added in order.
 template <typename T>
@@ -713,7 +700,7 @@ float dot(const float* a, const float* b, int64_t n) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &dot_avx512;
-    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &dot_avx2;
+    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &dot_avx2<float>;
 #endif
     return &dot_portable<float>;
   }();
@@ -724,7 +711,7 @@ float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &dot_bf16_avx512;
-    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &dot_bf16_avx2;
+    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &dot_avx2<uint16_t>;
 #endif
     return &dot_portable<uint16_t>;
   }();
