@@ -381,45 +381,54 @@ TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
 namespace {
 
 TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
-  // The bfloat16 products keep float32 scratch per thread between calls, unzeroed, and ask the GEMM
-  // for C = A · B with beta 0 (bfloat16_products.cpp): a call whose operands held NaN and infinities
-  // leaves them there, and the next call must not see them (0 · NaN is NaN). Each product against
-  // float64 of the same bfloat16 operands, on both GEMMs where this process has them, in the
-  // layouts of a forward (rows split among the threads) and of a weight's gradient (a long sum).
+  // The bfloat16 products take float32 scratch that is not zeroed (kept per thread between calls
+  // up to 4 MiB, fresh above) and ask the GEMM for C = A · B with beta 0 (bfloat16_products.cpp):
+  // a call whose operands held NaN and infinities leaves them there, and the next call must not
+  // see them (0 · NaN is NaN). Each product against float64 of the same bfloat16 operands, on both
+  // GEMMs where this process has them, in the layouts of a forward (rows split among the threads)
+  // and of a weight's gradient (a long sum in groups), at sizes under the kept scratch and over it
+  // (the second shape's widened weight and partial sums).
   using qkv::kernels::linear::Bfloat16Gemm;
   if (!OneDnnGemm::instance().available()) GTEST_SKIP() << OneDnnGemm::instance().description();
   std::vector<Bfloat16Gemm> gemms{Bfloat16Gemm::Float32};
   if (OneDnnGemm::instance().bfloat16_available()) gemms.push_back(Bfloat16Gemm::OneDnn);
   torch::manual_seed(21);
-  const int64_t m = 2100, k = 600, n = 40;  // 9 row blocks; sums over k in 3 chunks and over m in 3 groups
-  const auto a = torch::randn({m, k}).to(torch::kBFloat16), b = torch::randn({k, n}).to(torch::kBFloat16);
-  auto poisoned_a = a.clone(), poisoned_b = b.clone();
-  poisoned_a.index_put_({torch::indexing::Slice(), 0}, std::numeric_limits<float>::quiet_NaN());
-  poisoned_b.index_put_({0, torch::indexing::Slice()}, std::numeric_limits<float>::infinity());
   const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  for (const auto gemm : gemms) {
-    SCOPED_TRACE(gemm == Bfloat16Gemm::OneDnn ? "oneDNN's bfloat16 GEMM" : "float32 GEMM");
-    // bfloat16_product: C (m × n) = A · B, rounded
-    const auto want = torch::matmul(a.to(torch::kDouble), b.to(torch::kDouble));
-    const auto poisoned =
-        qkv::kernels::linear::bfloat16_product(gemm, m, n, k, {poisoned_a, false, k}, {poisoned_b, false, n}, {});
-    ASSERT_FALSE(torch::isfinite(poisoned.to(torch::kFloat)).all().item<bool>());  // the scratch now holds them
-    const auto got = qkv::kernels::linear::bfloat16_product(gemm, m, n, k, {a, false, k}, {b, false, n}, {});
-    // bfloat16's rounding of the output (2^-8 of it) and float32's of a k-long sum
-    EXPECT_LT(relative_error(got.to(torch::kDouble), want), 8e-3);
-    // multiply_bfloat16 as a weight's gradient: C (k × n) = Aᵀ (k × m) · B' (m × n), a sum over m rows
+  struct Shape {
+    int64_t m, k, n;
+  };
+  // 9 row blocks; sums over k in 3 or 5 chunks and over m in 3 groups
+  for (const auto shape : {Shape{2100, 600, 40}, Shape{2100, 1100, 1000}}) {
+    const int64_t m = shape.m, k = shape.k, n = shape.n;
+    const auto a = torch::randn({m, k}).to(torch::kBFloat16), b = torch::randn({k, n}).to(torch::kBFloat16);
+    auto poisoned_a = a.clone(), poisoned_b = b.clone();
+    poisoned_a.index_put_({torch::indexing::Slice(), 0}, std::numeric_limits<float>::quiet_NaN());
+    poisoned_b.index_put_({0, torch::indexing::Slice()}, std::numeric_limits<float>::infinity());
     const auto rows = torch::randn({m, n}).to(torch::kBFloat16);
     auto poisoned_rows = rows.clone();
     poisoned_rows.index_put_({0, 0}, std::numeric_limits<float>::quiet_NaN());
-    auto c = torch::full({k, n}, std::numeric_limits<float>::quiet_NaN());
-    qkv::kernels::linear::multiply_bfloat16(gemm, true, false, k, n, m, bits(poisoned_a), k, bits(poisoned_rows), n,
-                                            0.0f, c.data_ptr<float>(), n);
-    c.fill_(std::numeric_limits<float>::quiet_NaN());  // beta 0: C is written, not read
-    qkv::kernels::linear::multiply_bfloat16(gemm, true, false, k, n, m, bits(a), k, bits(rows), n, 0.0f,
-                                            c.data_ptr<float>(), n);
+    const auto want = torch::matmul(a.to(torch::kDouble), b.to(torch::kDouble));
     const auto want_gradient = torch::matmul(a.to(torch::kDouble).t(), rows.to(torch::kDouble));
-    ASSERT_TRUE(torch::isfinite(c).all().item<bool>());
-    EXPECT_LT(relative_error(c.to(torch::kDouble), want_gradient), 1e-5);
+    for (const auto gemm : gemms) {
+      SCOPED_TRACE(testing::Message() << (gemm == Bfloat16Gemm::OneDnn ? "oneDNN's bfloat16 GEMM" : "float32 GEMM")
+                                      << ", m " << m << ", k " << k << ", n " << n);
+      // bfloat16_product: C (m × n) = A · B, rounded
+      const auto poisoned =
+          qkv::kernels::linear::bfloat16_product(gemm, m, n, k, {poisoned_a, false, k}, {poisoned_b, false, n}, {});
+      ASSERT_FALSE(torch::isfinite(poisoned.to(torch::kFloat)).all().item<bool>());  // the scratch now holds them
+      const auto got = qkv::kernels::linear::bfloat16_product(gemm, m, n, k, {a, false, k}, {b, false, n}, {});
+      // bfloat16's rounding of the output (2^-8 of it) and float32's of a k-long sum
+      EXPECT_LT(relative_error(got.to(torch::kDouble), want), 8e-3);
+      // multiply_bfloat16 as a weight's gradient: C (k × n) = Aᵀ (k × m) · rows (m × n), a sum over m
+      auto c = torch::full({k, n}, std::numeric_limits<float>::quiet_NaN());
+      qkv::kernels::linear::multiply_bfloat16(gemm, true, false, k, n, m, bits(poisoned_a), k, bits(poisoned_rows),
+                                              n, 0.0f, c.data_ptr<float>(), n);
+      c.fill_(std::numeric_limits<float>::quiet_NaN());  // beta 0: C is written, not read
+      qkv::kernels::linear::multiply_bfloat16(gemm, true, false, k, n, m, bits(a), k, bits(rows), n, 0.0f,
+                                              c.data_ptr<float>(), n);
+      ASSERT_TRUE(torch::isfinite(c).all().item<bool>());
+      EXPECT_LT(relative_error(c.to(torch::kDouble), want_gradient), 1e-5);
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 // at::parallel_for is an inline `#pragma omp parallel` in an OpenMP build of LibTorch: compiled
@@ -36,14 +37,30 @@ constexpr int64_t kRoundingGrain = 1 << 15;
 // memory and back, the blocks made the bfloat16 step 7% faster.
 constexpr int64_t kRowsPerTask = 256;
 
-// This thread's scratch of at least `count` floats, kept between calls (the lm's products ask for
-// the same sizes every step) and not zeroed: every caller writes each value before reading it.
-// Zero-filled vectors made per task and call took 2% of the lm's bf16-mixed step on the float32
-// route (perf, AVX2 emulated on AMD EPYC Zen 5, 2026-12-03).
-float* scratch(std::vector<float>& buffer, int64_t count) {
-  if (buffer.size() < static_cast<size_t>(count)) buffer.resize(static_cast<size_t>(count));
-  return buffer.data();
-}
+// Scratch of at least `count` floats for this thread, not zeroed: every caller writes each value
+// before reading it. Zero-filled vectors made per task and call took 2% of the lm's bf16-mixed step
+// on the float32 route (perf, AVX2 emulated on AMD EPYC Zen 5, 2026-12-03), so blocks up to 4 MiB
+// (all of the lm's) stay with the thread for its next call; larger ones (a big model's weights or
+// a weight gradient's partial sums) are freed with the Scratch, so that no thread keeps them.
+constexpr int64_t kKeptScratchFloats = int64_t{1} << 20;
+
+class Scratch {
+ public:
+  Scratch(std::vector<float>& kept, int64_t count) {
+    if (count <= kKeptScratchFloats) {
+      if (kept.size() < static_cast<size_t>(count)) kept.resize(static_cast<size_t>(count));
+      data_ = kept.data();
+    } else {
+      own_.reset(new float[static_cast<size_t>(count)]);  // default-initialised: not zeroed
+      data_ = own_.get();
+    }
+  }
+  float* data() const { return data_; }
+
+ private:
+  std::unique_ptr<float[]> own_;
+  float* data_ = nullptr;
+};
 
 // sum[i] += values[i]: the weight gradient's partial sums, added group by group.
 QKV_ROUNDING_CLONES void add_into(float* __restrict sum, const float* __restrict values, int64_t count) {
@@ -72,14 +89,14 @@ struct RightOperand {
   int64_t ld = 0;
 };
 
-// op(B) as stored (k × n, or n × k transposed), widened to a contiguous float32 matrix in this
-// thread's scratch (read by every task of the call, kept until its next call on this thread).
-const float* widen_whole(bool transposed, int64_t k, int64_t n, const uint16_t* b, int64_t ldb) {
-  thread_local std::vector<float> widened;
+// op(B) as stored (k × n, or n × k transposed), widened to a contiguous float32 matrix in the
+// calling thread's scratch (read by every task of the call).
+Scratch widen_whole(bool transposed, int64_t k, int64_t n, const uint16_t* b, int64_t ldb) {
+  thread_local std::vector<float> kept;
   const int64_t rows = transposed ? n : k, cols = transposed ? k : n;
-  float* into = scratch(widened, rows * cols);
-  widen_block(b, ldb, rows, cols, into);
-  return into;
+  Scratch widened(kept, rows * cols);
+  widen_block(b, ldb, rows, cols, widened.data());
+  return widened;
 }
 
 // multiply_bfloat16 on the float32 GEMM, on this thread (or oneDNN's, outside a parallel region):
@@ -90,9 +107,9 @@ void multiply_widened(bool transpose_a, bool transpose_b, int64_t m, int64_t n, 
                       int64_t lda, const RightOperand& b, float beta, float* c, int64_t ldc) {
   const auto& onednn = OneDnnGemm::instance();
   const int64_t chunk_size = std::min(k, kSumChunk);
-  thread_local std::vector<float> a_scratch, b_scratch;
-  float* a_chunk = scratch(a_scratch, m * chunk_size);
-  float* b_chunk = b.widened ? nullptr : scratch(b_scratch, chunk_size * n);
+  thread_local std::vector<float> a_kept, b_kept;
+  const Scratch a_scratch(a_kept, m * chunk_size), b_scratch(b_kept, b.widened ? 0 : chunk_size * n);
+  float *a_chunk = a_scratch.data(), *b_chunk = b_scratch.data();
   for (int64_t first = 0; first < k; first += kSumChunk) {
     const int64_t chunk = std::min(kSumChunk, k - first);
     // op(A)[:, first:first+chunk]: rows of Aᵀ's storage (chunk × m), or a column block (m × chunk)
@@ -171,7 +188,8 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
     return;
   }
   if (!transpose_a && m > kRowsPerTask) {  // blocks of C's rows, one task each, all reading op(B)
-    const RightOperand right{nullptr, widen_whole(transpose_b, k, n, b, ldb), transpose_b ? k : n};
+    const auto widened = widen_whole(transpose_b, k, n, b, ldb);
+    const RightOperand right{nullptr, widened.data(), transpose_b ? k : n};
     at::parallel_for(0, (m + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t first = task * kRowsPerTask, rows = std::min(kRowsPerTask, m - first);
@@ -187,8 +205,9 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
     multiply_widened(transpose_a, transpose_b, m, n, k, a, lda, {b, nullptr, ldb}, beta, c, ldc);
     return;
   }
-  thread_local std::vector<float> partial_scratch;
-  float* partial = scratch(partial_scratch, groups * m * n);  // every group writes its m × n (beta 0)
+  thread_local std::vector<float> partial_kept;
+  const Scratch partial_scratch(partial_kept, groups * m * n);
+  float* partial = partial_scratch.data();  // every group writes its m × n (beta 0)
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * group, length = std::min(group, k - first);
@@ -201,8 +220,9 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
   });
   // C's rows among the threads; each value's partials added in group order, whichever thread adds them.
   at::parallel_for(0, m, std::max<int64_t>(1, kRoundingGrain / n), [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> sum_scratch;
-    float* sum = scratch(sum_scratch, n);
+    thread_local std::vector<float> sum_kept;
+    const Scratch sum_scratch(sum_kept, n);
+    float* sum = sum_scratch.data();
     for (int64_t r = begin; r < end; ++r) {
       std::copy(partial + r * n, partial + (r + 1) * n, sum);
       for (int64_t g = 1; g < groups; ++g) add_into(sum, partial + (g * m + r) * n, n);
@@ -226,12 +246,15 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
   // On the float32 GEMM every task reads all of op(b): widened once here, not per task.
-  const float* b_widened = gemm == Bfloat16Gemm::Float32 ? widen_whole(b.transposed, k, n, b_bits, b.ld) : nullptr;
-  const RightOperand right{nullptr, b_widened, b.transposed ? k : n};
+  std::vector<float> no_scratch;
+  const Scratch b_widened = gemm == Bfloat16Gemm::Float32 ? widen_whole(b.transposed, k, n, b_bits, b.ld)
+                                                          : Scratch(no_scratch, 0);
+  const RightOperand right{nullptr, b_widened.data(), b.transposed ? k : n};
   // Inside a task oneDNN's GEMM sees it runs in a parallel region and stays on the task's thread.
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> block_scratch;
-    float* block = scratch(block_scratch, std::min(kRowsPerTask, m) * n);  // beta 0 without a bias
+    thread_local std::vector<float> block_kept;
+    const Scratch block_scratch(block_kept, std::min(kRowsPerTask, m) * n);
+    float* block = block_scratch.data();  // beta 0 without a bias
     for (int64_t task = begin; task < end; ++task) {
       const int64_t first = task * kRowsPerTask, rows = std::min(kRowsPerTask, m - first);
       if (bias_row) {
