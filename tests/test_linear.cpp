@@ -268,13 +268,14 @@ TEST(Linear, RoundsToBfloat16AsLibTorchDoes) {
   EXPECT_TRUE(torch::isnan(got.to(torch::kFloat)).equal(nan));
   EXPECT_TRUE(got_bits.masked_select(~nan).equal(want_bits.masked_select(~nan)));
 
-  // The same values held in float32 (the float32 GEMM's operands on CPUs without bfloat16
-  // instructions), from float32 (rounded) and from bfloat16 (widened).
+  // The same values widened back to float32 (the float32 GEMM's operands and the GELU's on CPUs
+  // without bfloat16 instructions), from qkv's rounding and from LibTorch's.
   const auto want_values = want.to(torch::kFloat);
-  for (const auto& from : {all, want}) {
-    SCOPED_TRACE(testing::Message() << "bfloat16_values of " << from.scalar_type());
-    const auto values = qkv::kernels::linear::bfloat16_values(from);
-    ASSERT_EQ(values.scalar_type(), torch::kFloat);
+  for (const auto& [from, whose] : {std::pair{got, "qkv's rounding"}, std::pair{want, "LibTorch's rounding"}}) {
+    SCOPED_TRACE(testing::Message() << "widen_values of " << whose);
+    auto values = torch::empty({from.numel()}, torch::kFloat);
+    qkv::kernels::linear::widen_values(reinterpret_cast<const uint16_t*>(from.data_ptr<at::BFloat16>()),
+                                       values.data_ptr<float>(), from.numel());
     EXPECT_TRUE(torch::isnan(values).equal(nan));
     EXPECT_TRUE(values.view(torch::kInt).masked_select(~nan).equal(want_values.view(torch::kInt).masked_select(~nan)));
   }

@@ -163,19 +163,6 @@ at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype) {
   return dtype == at::kBFloat16 ? round_to_bfloat16(t) : t.to(dtype);
 }
 
-at::Tensor bfloat16_values(const at::Tensor& t) {
-  if (t.scalar_type() == at::kFloat) return bfloat16_values(round_to_bfloat16(t));
-  if (t.scalar_type() != at::kBFloat16 || !t.is_contiguous() || !t.device().is_cpu()) {
-    return t.to(at::kBFloat16).to(at::kFloat);
-  }
-  auto out = at::empty(t.sizes(), t.options().dtype(at::kFloat));
-  const uint16_t* from = bits_of(t);
-  float* into = out.data_ptr<float>();
-  at::parallel_for(0, t.numel(), kRoundingGrain,
-                   [&](int64_t begin, int64_t end) { widen_values(from + begin, into + begin, end - begin); });
-  return out;
-}
-
 void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k,
                        const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
                        int64_t ldc) {
@@ -218,13 +205,11 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
                        partial + g * m * n, n);
     }
   });
-  // C's rows among the threads; each value's partials added in group order, whichever thread adds them.
+  // C's rows among the threads; each value's partials added in group order into the first
+  // group's, whichever thread adds them.
   at::parallel_for(0, m, std::max<int64_t>(1, kRoundingGrain / n), [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> sum_kept;
-    const Scratch sum_scratch(sum_kept, n);
-    float* sum = sum_scratch.data();
     for (int64_t r = begin; r < end; ++r) {
-      std::copy(partial + r * n, partial + (r + 1) * n, sum);
+      float* sum = partial + r * n;
       for (int64_t g = 1; g < groups; ++g) add_into(sum, partial + (g * m + r) * n, n);
       float* row = c + r * ldc;
       if (beta == 0.0f) {

@@ -29,11 +29,6 @@ void widen_values(const uint16_t* from, float* into, int64_t count);
 /// `t` (float32) in `dtype`: round_to_bfloat16 for bfloat16, else t.to(dtype).
 at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype);
 
-/// `t` (float32 or bfloat16) rounded to bfloat16 and held in float32: a float32 `t` rounded as
-/// round_to_bfloat16 rounds, a bfloat16 one widened (exact): LibTorch's float32 ops on bfloat16
-/// values (the GELU of src/activation.h). Contiguous CPU tensors by qkv's loops, anything else by
-/// LibTorch's conversions.
-at::Tensor bfloat16_values(const at::Tensor& t);
 
 /// Which GEMM multiplies bfloat16 operands: oneDNN's bfloat16 GEMM (OneDnnGemm::multiply_bf16,
 /// which must be available), or its float32 GEMM with the operands widened to float32 a block of

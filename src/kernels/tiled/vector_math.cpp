@@ -42,6 +42,9 @@ float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, flo
 // products use, so QKV_TILED_ISA lowers both together).
 bool wide_vectors() { return tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512); }
 
+// Whether they take their AVX2 versions instead of the portable ones.
+bool avx2_vectors() { return tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2); }
+
 #if defined(__x86_64__)
 // The lanes of a 16-float vector that hold one of the `left` values still to do.
 __attribute__((target("avx512f"))) inline __mmask16 tail_lanes(int64_t left) {
@@ -264,7 +267,7 @@ float max_of(const float* x, int64_t n) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &max_of_avx512;
-    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &max_of_avx2;
+    if (avx2_vectors()) return &max_of_avx2;
 #endif
     return &max_of_portable;
   }();
@@ -586,7 +589,7 @@ void transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, flo
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (bf16_vectors()) return &transpose_avx512;
-    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &transpose_avx2;
+    if (avx2_vectors()) return &transpose_avx2;
 #endif
     return &transpose_portable;
   }();
@@ -596,7 +599,7 @@ void transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, flo
 namespace {
 
 inline float widened(float value) { return value; }
-inline float widened(uint16_t bits) { return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())); }
+inline float widened(uint16_t bits) { return bfloat16_bits_to_float(bits); }
 
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, int64_t n) {
@@ -700,7 +703,7 @@ float dot(const float* a, const float* b, int64_t n) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &dot_avx512;
-    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &dot_avx2<float>;
+    if (avx2_vectors()) return &dot_avx2<float>;
 #endif
     return &dot_portable<float>;
   }();
@@ -711,7 +714,7 @@ float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &dot_bf16_avx512;
-    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &dot_avx2<uint16_t>;
+    if (avx2_vectors()) return &dot_avx2<uint16_t>;
 #endif
     return &dot_portable<uint16_t>;
   }();
@@ -726,7 +729,7 @@ void scale_into(const float* x, int64_t n, float factor, uint16_t* out) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &scale_into_bf16_avx512;
-    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) return &scale_into_bf16_avx2;
+    if (avx2_vectors()) return &scale_into_bf16_avx2;
 #endif
     return &scale_into_bf16_portable;
   }();
