@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <random>
@@ -599,7 +600,7 @@ TEST(RowOperations, SoftmaxBackwardBlockFillsPairPanelsAsFloat64) {
 }
 
 // The transposes around the backward's bfloat16 products (Qᵀ, dOᵀ with zero padding; dKᵀ, dVᵀ
-// back to rows), bit for bit, on the path QKV_TILED_ISA leaves; nothing written past the columns.
+// back to rows) and the widening one of a bfloat16 Kᵀ for float32 products, bit for bit, on the path QKV_TILED_ISA leaves; nothing written past the columns.
 TEST(RowOperations, TransposesCopyEveryValueAndPadWithZeros) {
   std::mt19937 random(12);
   for (int64_t rows : {1, 16, 31, 32, 33, 64}) {
@@ -621,6 +622,20 @@ TEST(RowOperations, TransposesCopyEveryValueAndPadWithZeros) {
       for (int64_t c = 0; c < cols; ++c) {
         for (int64_t r = 0; r < rows + 3; ++r) {
           ASSERT_EQ(outf[c * (rows + 3) + r], r < rows ? xf[r * x_stride + c] : -7.0f) << "column " << c << ", row " << r;
+        }
+      }
+      // bfloat16 bits widened on the way (a bfloat16 Kᵀ packed for float32 products): exactly the
+      // float each stands for, NaN and infinity patterns among them.
+      for (auto& value : outf) value = -7.0f;
+      qkv::kernels::transpose(x.data(), x_stride, rows, cols, outf.data(), rows + 3);
+      for (int64_t c = 0; c < cols; ++c) {
+        for (int64_t r = 0; r < rows + 3; ++r) {
+          const float expected =
+              r < rows ? static_cast<float>(c10::BFloat16(x[r * x_stride + c], c10::BFloat16::from_bits())) : -7.0f;
+          uint32_t got_bits, expected_bits;
+          std::memcpy(&got_bits, &outf[c * (rows + 3) + r], sizeof got_bits);
+          std::memcpy(&expected_bits, &expected, sizeof expected_bits);
+          ASSERT_EQ(got_bits, expected_bits) << "widened: column " << c << ", row " << r;
         }
       }
     }

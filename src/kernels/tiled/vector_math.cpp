@@ -45,10 +45,20 @@ bool wide_vectors() { return tiled::at_least(tiled::active_isa(), tiled::Product
 // Whether they take their AVX2 versions instead of the portable ones.
 bool avx2_vectors() { return tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2); }
 
+// A value as float32: float32 as it is, bfloat16 (raw bits) widened exactly.
+inline float widened(float value) { return value; }
+inline float widened(uint16_t bits) { return bfloat16_bits_to_float(bits); }
+
 #if defined(__x86_64__)
 // The lanes of a 16-float vector that hold one of the `left` values still to do.
 __attribute__((target("avx512f"))) inline __mmask16 tail_lanes(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1u);
+}
+
+// 16 bfloat16 values widened to float32 (0 in the lanes not asked for): their bits are the high
+// half of the float's.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 widen_bf16(const uint16_t* x, __mmask16 lanes) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x)), 16));
 }
 
 // The same polynomial as below, written for AVX-512: vscalefps multiplies by 2^k (the compiler's
@@ -445,7 +455,16 @@ QKV_TARGET_BF16 void transpose_bf16_avx512(const uint16_t* x, int64_t x_stride, 
   }
 }
 
-QKV_TARGET_BF16 void transpose_avx512(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out,
+// 16 values of a row (the `lanes` of them; 0 in the others) as float32 bits.
+QKV_TARGET_BF16 inline __m512i load16_as_float(const float* x, __mmask16 lanes) {
+  return _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, x));
+}
+QKV_TARGET_BF16 inline __m512i load16_as_float(const uint16_t* x, __mmask16 lanes) {
+  return _mm512_castps_si512(widen_bf16(x, lanes));
+}
+
+template <typename T>
+QKV_TARGET_BF16 void transpose_avx512(const T* x, int64_t x_stride, int64_t rows, int64_t cols, float* out,
                                       int64_t out_stride) {
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     const __mmask16 row_lanes = tail_lanes(rows - r0);
@@ -453,8 +472,7 @@ QKV_TARGET_BF16 void transpose_avx512(const float* x, int64_t x_stride, int64_t 
       const __mmask16 lanes = tail_lanes(cols - c0);
       __m512i block[16];
       for (int64_t i = 0; i < 16; ++i) {
-        block[i] = r0 + i < rows ? _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, x + (r0 + i) * x_stride + c0))
-                                 : _mm512_setzero_si512();
+        block[i] = r0 + i < rows ? load16_as_float(x + (r0 + i) * x_stride + c0, lanes) : _mm512_setzero_si512();
       }
       tiled::transpose_16x16(block);
       for (int64_t c = 0; c < std::min<int64_t>(16, cols - c0); ++c) {
@@ -464,19 +482,24 @@ QKV_TARGET_BF16 void transpose_avx512(const float* x, int64_t x_stride, int64_t 
   }
 }
 
+// 8 values of a row as float32 (bfloat16 ones widened).
+__attribute__((target("avx2,fma"))) inline __m256 load8_as_float(const float* x) { return _mm256_loadu_ps(x); }
+__attribute__((target("avx2,fma"))) inline __m256 load8_as_float(const uint16_t* x) { return widen8_bfloat16(x); }
+
 // transpose in 8 × 8 squares of AVX2 registers; the squares cut by the edges value by value.
-__attribute__((target("avx2,fma"))) void transpose_avx2(const float* x, int64_t x_stride, int64_t rows, int64_t cols,
+template <typename T>
+__attribute__((target("avx2,fma"))) void transpose_avx2(const T* x, int64_t x_stride, int64_t rows, int64_t cols,
                                                         float* out, int64_t out_stride) {
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     for (int64_t c0 = 0; c0 < cols; c0 += 8) {
       if (r0 + 8 > rows || c0 + 8 > cols) {
         for (int64_t r = r0; r < std::min(rows, r0 + 8); ++r) {
-          for (int64_t c = c0; c < std::min(cols, c0 + 8); ++c) out[c * out_stride + r] = x[r * x_stride + c];
+          for (int64_t c = c0; c < std::min(cols, c0 + 8); ++c) out[c * out_stride + r] = widened(x[r * x_stride + c]);
         }
         continue;
       }
       __m256 row[8], pair[8];
-      for (int64_t i = 0; i < 8; ++i) row[i] = _mm256_loadu_ps(x + (r0 + i) * x_stride + c0);
+      for (int64_t i = 0; i < 8; ++i) row[i] = load8_as_float(x + (r0 + i) * x_stride + c0);
       for (int64_t i = 0; i < 8; i += 2) {  // (r_i c_j, r_i+1 c_j) side by side, per 128-bit half
         pair[i] = _mm256_unpacklo_ps(row[i], row[i + 1]);
         pair[i + 1] = _mm256_unpackhi_ps(row[i], row[i + 1]);
@@ -546,9 +569,10 @@ void transpose_bf16_portable(const uint16_t* x, int64_t x_stride, int64_t rows, 
   }
 }
 
-void transpose_portable(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride) {
+template <typename T>
+void transpose_portable(const T* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride) {
   for (int64_t c = 0; c < cols; ++c) {
-    for (int64_t r = 0; r < rows; ++r) out[c * out_stride + r] = x[r * x_stride + c];
+    for (int64_t r = 0; r < rows; ++r) out[c * out_stride + r] = widened(x[r * x_stride + c]);
   }
 }
 
@@ -585,21 +609,32 @@ void transpose_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t c
   implementation(x, x_stride, rows, cols, padded_rows, out, out_stride);
 }
 
-void transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride) {
+namespace {
+
+template <typename T>
+void transpose_any(const T* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    if (bf16_vectors()) return &transpose_avx512;
-    if (avx2_vectors()) return &transpose_avx2;
+    if (bf16_vectors()) return &transpose_avx512<T>;
+    if (avx2_vectors()) return &transpose_avx2<T>;
 #endif
-    return &transpose_portable;
+    return &transpose_portable<T>;
   }();
   implementation(x, x_stride, rows, cols, out, out_stride);
 }
 
+}  // namespace
+
+void transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride) {
+  transpose_any(x, x_stride, rows, cols, out, out_stride);
+}
+
+void transpose(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride) {
+  transpose_any(x, x_stride, rows, cols, out, out_stride);
+}
+
 namespace {
 
-inline float widened(float value) { return value; }
-inline float widened(uint16_t bits) { return bfloat16_bits_to_float(bits); }
 
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, int64_t n) {
@@ -609,11 +644,6 @@ __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float*
     sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, a + i), _mm512_maskz_loadu_ps(lanes, b + i), sum);
   }
   return _mm512_reduce_add_ps(sum);
-}
-
-// 16 bfloat16 values widened to float32: their bits are the high half of the float's.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 widen_bf16(const uint16_t* x, __mmask16 lanes) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x)), 16));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl"))) float dot_bf16_avx512(const uint16_t* a, const uint16_t* b,

@@ -94,6 +94,9 @@ void transpose_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t c
 /// out[c · out_stride + r] = x[r · x_stride + c] for r < rows, c < cols (float32): dKᵀ and dVᵀ back
 /// to rows of keys.
 void transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride);
+/// The same of bfloat16 values (raw bits), each widened exactly to float32: a bfloat16 Kᵀ packed
+/// for the float32 products of CPUs without bfloat16 instructions.
+void transpose(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride);
 
 /// Σ a[i] · b[i] for i < n, in float32: 16 partial sums side by side (lane i mod 16, whichever
 /// vectors the CPU has), then those added. The rows' D_i = rowsum(dO ⊙ O) of the backward.
