@@ -123,14 +123,28 @@ torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, co
     return {grad_x, grad_weight, grad_bias};
   }
   const auto grad = kernels::linear::float32_to(output_grad, operand_type).contiguous();  // (M × N)
-  if (with_bias && ctx->needs_input_grad(2)) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const bool want_x = ctx->needs_input_grad(0), want_weight = ctx->needs_input_grad(1),
+             want_bias = with_bias && ctx->needs_input_grad(2);
+  if (operand_type == at::kBFloat16 && bfloat16_gemm() == kernels::linear::Bfloat16Gemm::Float32 &&
+      M > kernels::linear::kRowsPerSumGroup) {
+    // Widened on the float32 GEMM: each block of grad widened once for the three products. Over
+    // fewer rows (one group of the sum) the separate products, which spread over the threads.
+    const auto w = weight_operand(weight);
+    auto all = kernels::linear::linear_gradients_widened(grad, x, {w.tensor, !w.rows, w.ld}, want_x,
+                                                         dtype("x_dtype") == at::kBFloat16, want_weight, want_bias);
+    if (want_x) grad_x = all.grad_x.to(dtype("x_dtype"));
+    if (want_weight) grad_weight = kernels::linear::float32_to(all.grad_weight, dtype("w_dtype"));
+    if (want_bias) grad_bias = all.grad_bias.to(dtype("b_dtype"));
+    return {grad_x, grad_weight, grad_bias};
+  }
+  if (want_bias) {
     grad_bias = (operand_type == at::kBFloat16 ? kernels::linear::bfloat16_column_sums(bfloat16_gemm(), grad)
                                                : grad.sum(0))
                     .to(dtype("b_dtype"));
   }
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const auto float32 = x.options().dtype(at::kFloat);
-  if (ctx->needs_input_grad(0)) {  // dx (M × K) = grad (M × N) · W (N × K)
+  if (want_x) {  // dx (M × K) = grad (M × N) · W (N × K)
     const auto w = weight_operand(weight);
     if (dtype("x_dtype") == at::kBFloat16) {  // rounded in cache
       grad_x = kernels::linear::bfloat16_product(bfloat16_gemm(), M, K, N, {grad, false, N}, {w.tensor, !w.rows, w.ld},
@@ -141,7 +155,7 @@ torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, co
       grad_x = grad_x.to(dtype("x_dtype"));
     }
   }
-  if (ctx->needs_input_grad(1)) {  // dW (N × K) = gradᵀ (N × M) · x (M × K)
+  if (want_weight) {  // dW (N × K) = gradᵀ (N × M) · x (M × K)
     grad_weight = at::empty({N, K}, float32);
     product(/*transpose_a=*/true, false, N, K, M, grad, N, x, K, 0.0f, grad_weight, K);
     grad_weight = kernels::linear::float32_to(grad_weight, dtype("w_dtype"));  // float32 under autocast

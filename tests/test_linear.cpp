@@ -433,6 +433,84 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
   }
 }
 
+TEST(Linear, Bfloat16GradientsInOnePassMatchFloat64) {
+  // The float32 GEMM route's backward in one pass (linear_gradients_widened): each block of grad
+  // widened once for dx = grad · W, dW = gradᵀ · x and db = its column sums, over 3 groups of rows
+  // (the last cut: 2100 = 2 · 1024 + 52), every subset of the gradients asked for, W stored either
+  // way, dx in float32 or rounded; each against float64 of the same bfloat16 values, after a call
+  // that left NaN in every scratch (beta 0 must not read them). Then through the layer, where only
+  // some inputs require grad.
+  using qkv::kernels::linear::linear_gradients_widened;
+  if (!OneDnnGemm::instance().available()) GTEST_SKIP() << OneDnnGemm::instance().description();
+  torch::manual_seed(22);
+  const int64_t M = 2100, N = 384, K = 128;
+  const auto grad = torch::randn({M, N}).to(torch::kBFloat16), x = torch::randn({M, K}).to(torch::kBFloat16);
+  const auto w = (torch::randn({N, K}) / 8).to(torch::kBFloat16);
+  const auto w_columns = w.t().contiguous().t();  // the same W stored as Wᵀ's rows
+  const auto grad64 = grad.to(torch::kDouble), x64 = x.to(torch::kDouble), w64 = w.to(torch::kDouble);
+  const auto want_x = grad64.mm(w64), want_w = grad64.t().mm(x64), want_b = grad64.sum(0);
+  auto poisoned_grad = grad.clone(), poisoned_x = x.clone();
+  poisoned_grad.index_put_({torch::indexing::Slice(), 0}, std::numeric_limits<float>::quiet_NaN());
+  poisoned_x.index_put_({0, torch::indexing::Slice()}, std::numeric_limits<float>::infinity());
+  for (bool transposed : {false, true}) {
+    const auto& weight = transposed ? w_columns : w;
+    const int64_t ld = transposed ? weight.stride(1) : weight.stride(0);
+    for (int asked = 1; asked < 8; ++asked) {
+      const bool dx = asked & 1, dw = asked & 2, db = asked & 4;
+      for (bool round_x : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "W stored " << (transposed ? "as Wᵀ" : "as rows") << (dx ? ", dx" : "")
+                                        << (round_x ? " rounded" : "") << (dw ? ", dW" : "") << (db ? ", db" : ""));
+        const auto poisoned = linear_gradients_widened(poisoned_grad, poisoned_x, {weight, transposed, ld}, true,
+                                                       round_x, true, true);
+        ASSERT_FALSE(torch::isfinite(poisoned.grad_weight).all().item<bool>());
+        const auto got = linear_gradients_widened(grad, x, {weight, transposed, ld}, dx, round_x, dw, db);
+        ASSERT_EQ(got.grad_x.defined(), dx);
+        ASSERT_EQ(got.grad_weight.defined(), dw);
+        ASSERT_EQ(got.grad_bias.defined(), db);
+        if (dx) {
+          EXPECT_EQ(got.grad_x.scalar_type(), round_x ? torch::kBFloat16 : torch::kFloat);
+          // float32 sums of N terms, and bfloat16's rounding (2^-9 relative) where rounded
+          EXPECT_LT(relative_error(got.grad_x.to(torch::kDouble), want_x), round_x ? 5e-3 : 1e-5);
+        }
+        if (dw) {
+          EXPECT_LT(relative_error(got.grad_weight.to(torch::kDouble), want_w), 1e-5);
+        }
+        if (db) {
+          EXPECT_LT(relative_error(got.grad_bias.to(torch::kDouble), want_b), 1e-5);
+        }
+      }
+    }
+  }
+  EXPECT_THROW(linear_gradients_widened(grad, x.narrow(0, 0, M - 1), {w, false, K}, true, false, true, false),
+               c10::Error);
+
+  // Through the layer under autocast: an input that requires no grad, a frozen weight.
+  if (qkv::detail::bfloat16_products() != qkv::detail::Bfloat16Products::Float32) return;
+  const auto x_values = torch::randn({M, K}), w_values = torch::randn({N, K}) / 8, b_values = torch::randn({N});
+  const auto probe = torch::randn({M, N});
+  const auto rounded = [](const torch::Tensor& t) { return t.to(torch::kBFloat16).to(torch::kDouble); };
+  const auto probe64 = rounded(probe);
+  for (bool frozen_weight : {false, true}) {
+    SCOPED_TRACE(frozen_weight ? "frozen weight, input requires grad" : "input requires no grad");
+    const auto input = frozen_weight ? x_values.clone().requires_grad_(true) : x_values;
+    const auto weight = frozen_weight ? w_values : w_values.clone().requires_grad_(true);
+    const auto bias = b_values.clone().requires_grad_(true);
+    torch::Tensor y;
+    {
+      qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      y = qkv::detail::linear(input, weight, bias);
+    }
+    (y.to(torch::kFloat) * probe).sum().backward();
+    EXPECT_LT(relative_error(bias.grad().to(torch::kDouble), probe64.sum(0)), 1e-5);
+    if (frozen_weight) {
+      EXPECT_FALSE(weight.grad().defined());
+      EXPECT_LT(relative_error(input.grad().to(torch::kDouble), probe64.mm(rounded(w_values))), 1e-5);
+    } else {
+      EXPECT_LT(relative_error(weight.grad().to(torch::kDouble), probe64.t().mm(rounded(x_values))), 1e-5);
+    }
+  }
+}
+
 TEST(Linear, Bfloat16SecondOrderGradientsReachTheInputs) {
   // A gradient penalty under bfloat16 autocast: the create_graph backward must carry the weight's
   // and the bias's second-order terms (the route's bfloat16 operands are copies made inside the

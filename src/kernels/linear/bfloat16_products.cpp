@@ -67,6 +67,25 @@ QKV_ROUNDING_CLONES void add_into(float* __restrict sum, const float* __restrict
   for (int64_t i = 0; i < count; ++i) sum[i] += values[i];
 }
 
+// C (m × n, row stride ldc) = the sum of `groups` partial m × n matrices (row stride n, one every
+// group_stride floats) + beta · C. C's rows among the threads; each value's partials added in group
+// order into the first group's (which is overwritten), whichever thread adds them.
+void add_groups(float* partial, int64_t groups, int64_t group_stride, int64_t m, int64_t n, float beta, float* c,
+                int64_t ldc) {
+  at::parallel_for(0, m, std::max<int64_t>(1, kRoundingGrain / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* sum = partial + r * n;
+      for (int64_t g = 1; g < groups; ++g) add_into(sum, partial + g * group_stride + r * n, n);
+      float* row = c + r * ldc;
+      if (beta == 0.0f) {
+        std::copy(sum, sum + n, row);
+      } else {
+        for (int64_t col = 0; col < n; ++col) row[col] = beta * row[col] + sum[col];
+      }
+    }
+  });
+}
+
 const uint16_t* bits_of(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 // The length of the sum multiplied per chunk on the float32 GEMM: a 256-row block's chunk of A and
@@ -79,7 +98,8 @@ void widen_block(const uint16_t* from, int64_t ld, int64_t rows, int64_t cols, f
 }
 
 // Chunks of the sum per task where multiply_bfloat16 splits a long sum among the threads.
-constexpr int64_t kChunksPerGroup = 4;
+constexpr int64_t kChunksPerGroup = kRowsPerSumGroup / kSumChunk;
+static_assert(kChunksPerGroup * kSumChunk == kRowsPerSumGroup, "a group of the sum is whole chunks");
 
 // op(B) for multiply_widened: its bfloat16 bits (row stride ld, widened chunk by chunk), or, where
 // every block of C's rows reads all of it, widened once beforehand (widen_whole; ld its row stride).
@@ -205,20 +225,7 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
                        partial + g * m * n, n);
     }
   });
-  // C's rows among the threads; each value's partials added in group order into the first
-  // group's, whichever thread adds them.
-  at::parallel_for(0, m, std::max<int64_t>(1, kRoundingGrain / n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* sum = partial + r * n;
-      for (int64_t g = 1; g < groups; ++g) add_into(sum, partial + (g * m + r) * n, n);
-      float* row = c + r * ldc;
-      if (beta == 0.0f) {
-        std::copy(sum, sum + n, row);
-      } else {
-        for (int64_t col = 0; col < n; ++col) row[col] = beta * row[col] + sum[col];
-      }
-    }
-  });
+  add_groups(partial, groups, m * n, m, n, beta, c, ldc);
 }
 
 at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, const Bf16Operand& a,
@@ -255,6 +262,87 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
       round_values(block, out_bits + first * n, rows * n);
     }
   });
+  return out;
+}
+
+LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tensor& x, const Bf16Operand& weight,
+                                         bool want_x, bool round_grad_x, bool want_weight, bool want_bias) {
+  // W's logical shape is (N × K) whichever way it is stored.
+  const int64_t M = grad.size(0), N = grad.size(1), K = weight.tensor.size(1);
+  TORCH_CHECK(grad.scalar_type() == at::kBFloat16 && grad.dim() == 2 && grad.is_contiguous() &&
+                  weight.tensor.scalar_type() == at::kBFloat16 && weight.tensor.size(0) == N &&
+                  (!want_weight || (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() &&
+                                    x.size(0) == M && x.size(1) == K)),
+              "qkv: linear_gradients_widened expected contiguous bfloat16 grad (M × N), x (M × K) and W (N × K), "
+              "got grad ", grad.scalar_type(), " ", grad.sizes(), ", x ", x.scalar_type(), " ", x.sizes(), ", W ",
+              weight.tensor.scalar_type(), " ", weight.tensor.sizes());
+  const auto float32 = grad.options().dtype(at::kFloat);
+  LinearGradients out;
+  if (M == 0) return out;  // the callers route no empty product here
+  const auto& onednn = OneDnnGemm::instance();
+  const uint16_t* grad_bits = bits_of(grad);
+  const uint16_t* x_bits = want_weight ? bits_of(x) : nullptr;
+  // dx's products read all of W: widened once.
+  std::vector<float> no_scratch;
+  const Scratch w_widened = want_x ? widen_whole(weight.transposed, N, K, bits_of(weight.tensor), weight.ld)
+                                   : Scratch(no_scratch, 0);
+  const int64_t w_ld = weight.transposed ? N : K;
+  float* grad_x_values = nullptr;
+  uint16_t* grad_x_bits = nullptr;
+  if (want_x) {
+    out.grad_x = at::empty({M, K}, round_grad_x ? grad.options() : float32);
+    if (round_grad_x) {
+      grad_x_bits = reinterpret_cast<uint16_t*>(out.grad_x.data_ptr<at::BFloat16>());
+    } else {
+      grad_x_values = out.grad_x.data_ptr<float>();
+    }
+  }
+  // Each group's partial dW (N × K) and db (N), side by side.
+  const int64_t group_rows = kSumChunk * kChunksPerGroup, groups = (M + group_rows - 1) / group_rows;
+  const int64_t group_stride = (want_weight ? N * K : 0) + (want_bias ? N : 0);
+  thread_local std::vector<float> partial_kept;
+  const Scratch partial_scratch(partial_kept, groups * group_stride);
+  float* partial = partial_scratch.data();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> grad_kept, x_kept, block_kept;
+    const Scratch grad_block(grad_kept, kSumChunk * N), x_block(x_kept, want_weight ? kSumChunk * K : 0),
+        rounded_block(block_kept, round_grad_x ? kSumChunk * K : 0);
+    for (int64_t g = begin; g < end; ++g) {
+      float* grad_weight = partial + g * group_stride;
+      float* grad_bias = grad_weight + (want_weight ? N * K : 0);
+      const int64_t group_first = g * group_rows, group_end = std::min(M, group_first + group_rows);
+      for (int64_t first = group_first; first < group_end; first += kSumChunk) {
+        const int64_t rows = std::min(kSumChunk, group_end - first);
+        const bool first_block = first == group_first;
+        float* g_rows = grad_block.data();  // (rows × N)
+        widen_values(grad_bits + first * N, g_rows, rows * N);
+        if (want_x) {  // dx rows (rows × K) = g_rows · W
+          float* target = round_grad_x ? rounded_block.data() : grad_x_values + first * K;
+          onednn.multiply(false, weight.transposed, rows, K, N, g_rows, N, w_widened.data(), w_ld, 0.0f, target, K);
+          if (round_grad_x) round_values(target, grad_x_bits + first * K, rows * K);
+        }
+        if (want_weight) {  // dW (N × K) += g_rowsᵀ · x rows
+          widen_values(x_bits + first * K, x_block.data(), rows * K);
+          onednn.multiply(true, false, N, K, rows, g_rows, N, x_block.data(), K, first_block ? 0.0f : 1.0f,
+                          grad_weight, K);
+        }
+        if (want_bias) {  // db += the rows of g_rows, in order
+          int64_t r = 0;
+          if (first_block) std::copy(g_rows, g_rows + N, grad_bias), r = 1;
+          for (; r < rows; ++r) add_into(grad_bias, g_rows + r * N, N);
+        }
+      }
+    }
+  });
+  if (want_weight) {
+    out.grad_weight = at::empty({N, K}, float32);
+    add_groups(partial, groups, group_stride, N, K, 0.0f, out.grad_weight.data_ptr<float>(), K);
+  }
+  if (want_bias) {
+    out.grad_bias = at::empty({N}, float32);
+    add_groups(partial + (want_weight ? N * K : 0), groups, group_stride, 1, N, 0.0f, out.grad_bias.data_ptr<float>(),
+               N);
+  }
   return out;
 }
 
