@@ -73,8 +73,8 @@ struct LinearGradients {
 /// widened once for all three products, where the separate products widened it three times
 /// (dx = grad · W, dW = gradᵀ · x, db = the column sums of grad). At the lm's shapes (4096 rows;
 /// AVX2 emulated on AMD EPYC Zen 5, 2 threads, 2026-12-03) the backward went from 5.30 to 5.05 ms
-/// (128 → 384), 7.41 to 7.11 (128 → 512) and 7.13 to 6.73 (512 → 128): now below float32's 5.20,
-/// 7.13, 7.18 in the same process. grad and x (M × K) contiguous bfloat16 (x unused unless want_weight); W, the
+/// (128 → 384), 7.41 to 7.11 (128 → 512) and 7.13 to 6.73 (512 → 128); a later run timed both
+/// precisions in one process: bf16-mixed 4.66, 6.15, 6.55 ms against float32's 5.20, 7.13, 7.18. grad and x (M × K) contiguous bfloat16 (x unused unless want_weight); W, the
 /// bfloat16 weight (N × K), as the right operand of dx (transposed: stored as Wᵀ, a K × N matrix). dx comes in float32,
 /// or rounded to bfloat16 where round_grad_x; dW (N × K) and db (N) in float32. The sums over the
 /// rows run in groups of kRowsPerSumGroup rows, one task each, added in a fixed order: the results
