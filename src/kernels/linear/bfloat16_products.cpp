@@ -326,10 +326,9 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
           onednn.multiply(true, false, N, K, rows, g_rows, N, x_block.data(), K, first_block ? 0.0f : 1.0f,
                           grad_weight, K);
         }
-        if (want_bias) {  // db += the rows of g_rows, in order
-          int64_t r = 0;
-          if (first_block) std::copy(g_rows, g_rows + N, grad_bias), r = 1;
-          for (; r < rows; ++r) add_into(grad_bias, g_rows + r * N, N);
+        if (want_bias) {  // db += the rows of g_rows, in order (the group's first row starts it)
+          if (first_block) std::copy(g_rows, g_rows + N, grad_bias);
+          for (int64_t r = first_block ? 1 : 0; r < rows; ++r) add_into(grad_bias, g_rows + r * N, N);
         }
       }
     }
