@@ -71,14 +71,17 @@ struct LinearGradients {
 /// The gradients of y = x Wᵀ + b whose products multiply bfloat16 on the float32 GEMM
 /// (Bfloat16Gemm::Float32), in one pass over blocks of 256 rows: each block of grad (M × N) is
 /// widened once for all three products, where the separate products widened it three times
-/// (dx = grad · W, dW = gradᵀ · x, db = the column sums of grad). At the lm's shapes (4096 rows;
-/// AVX2 emulated on AMD EPYC Zen 5, 2 threads, 2026-12-03) the backward went from 5.30 to 5.05 ms
-/// (128 → 384), 7.41 to 7.11 (128 → 512) and 7.13 to 6.73 (512 → 128); a later run timed both
-/// precisions in one process: bf16-mixed 4.66, 6.15, 6.55 ms against float32's 5.20, 7.13, 7.18. grad and x (M × K) contiguous bfloat16 (x unused unless want_weight); W, the
-/// bfloat16 weight (N × K), as the right operand of dx (transposed: stored as Wᵀ, a K × N matrix). dx comes in float32,
-/// or rounded to bfloat16 where round_grad_x; dW (N × K) and db (N) in float32. The sums over the
-/// rows run in groups of kRowsPerSumGroup rows, one task each, added in a fixed order: the results
-/// do not depend on the threads (nor the work on more threads than groups).
+/// (dx = grad · W, dW = gradᵀ · x, db = the column sums of grad). grad and x (M × K) contiguous
+/// bfloat16 (x unused unless want_weight); W, the bfloat16 weight (N × K), as the right operand of
+/// dx (transposed: stored as Wᵀ, a K × N matrix). dx comes in float32, or rounded to bfloat16 where
+/// round_grad_x; dW (N × K) and db (N) in float32. The sums over the rows run in groups of
+/// kRowsPerSumGroup rows, one task each, added in a fixed order: the results do not depend on the
+/// threads (nor does the work spread over more threads than groups).
+///
+/// At the lm's shapes (4096 rows; AVX2 emulated on AMD EPYC Zen 5, 2 threads, 2026-12-03) the
+/// backward went from 5.30 to 5.05 ms (128 → 384), 7.41 to 7.11 (128 → 512) and 7.13 to 6.73
+/// (512 → 128); a later run timed both precisions in one process: bf16-mixed 4.66, 6.15, 6.55 ms
+/// against float32's 5.20, 7.13, 7.18.
 LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tensor& x, const Bf16Operand& weight,
                                          bool want_x, bool round_grad_x, bool want_weight, bool want_bias);
 

@@ -4,7 +4,7 @@
 // run time which of them may run (cpu_features.cpp).
 #include "kernels/tiled/packed_products.h"
 
-#include "kernels/bfloat16_bits.h"
+#include "kernels/linear/bfloat16_products.h"
 #include "kernels/tiled/amx_products.h"
 #include "kernels/tiled/lane_shuffles.h"
 #include "kernels/tiled/vector_math.h"
@@ -41,14 +41,11 @@ inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline const float* bits_of(const float* x) { return x; }
 inline const uint16_t* bits_of(const c10::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); }
 
-// out[j] <- x[j] for j < n, bfloat16 widened: a loop on the bits that the compiler vectorises.
+// out[j] <- x[j] for j < n, bfloat16 widened (the linear layers' vector loop).
 inline void copy_as_float(const float* x, int64_t n, float* out) {
   std::memcpy(out, x, sizeof(float) * static_cast<size_t>(n));
 }
-inline void copy_as_float(const c10::BFloat16* x, int64_t n, float* out) {
-  const uint16_t* bits = bits_of(x);
-  for (int64_t j = 0; j < n; ++j) out[j] = bfloat16_bits_to_float(bits[j]);
-}
+inline void copy_as_float(const c10::BFloat16* x, int64_t n, float* out) { linear::widen_values(bits_of(x), out, n); }
 inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }  // rounds to nearest even
 inline uint16_t bf16_bits(c10::BFloat16 x) { return x.x; }
 
