@@ -390,6 +390,79 @@ TEST(Tiled, KeptAndRecomputedProbabilitiesBothMatchTheMathPath) {
   }
 }
 
+// The probabilities the forward keeps are read by the backward as they are, so every pair the
+// forward does not compute must be written 0 by it: keys before a window, past a row block's
+// causal end or a sequence's length, and every pair of a row that attends to nothing. The kernel's
+// forward straight into a buffer of NaNs, against float64 softmax.
+TEST(Tiled, KeptProbabilitiesAreWrittenWholeOverAnyBuffer) {
+  namespace tiled = qkv::kernels::tiled;
+  struct Variant {
+    std::string name;
+    int64_t B, N, S;
+    bool causal;
+    int64_t window;
+    bool key_lengths, dead_rows;
+  };
+  const std::vector<Variant> variants = {
+      {"causal, the language model's shape", 1, 128, 128, true, 0, false, false},
+      {"causal window 37", 1, 150, 150, true, 37, false, false},
+      {"key lengths, one sequence empty", 2, 70, 100, false, 0, true, false},
+      {"bool mask with rows that attend to nothing", 1, 90, 256, false, 0, false, true},
+  };
+  const int64_t H = 2, D = 8;
+  for (const auto& c : variants) {
+    SCOPED_TRACE(c.name);
+    torch::manual_seed(5);
+    const auto q = torch::randn({c.B, H, c.N, D}, torch::kDouble);
+    const auto k = torch::randn({c.B, H, c.S, D}, torch::kDouble);
+    const auto v = torch::randn({c.B, H, c.S, D}, torch::kDouble);
+    // What may be attended (B, 1, N, S), broadcast over the heads.
+    auto allowed = torch::ones({c.B, 1, c.N, c.S}, torch::kBool);
+    const auto rows = torch::arange(c.N).view({-1, 1}), keys = torch::arange(c.S).view({1, -1});
+    if (c.causal) allowed &= keys.le(rows);
+    if (c.window > 0) allowed &= keys.gt(rows - c.window);
+    const auto lengths = torch::tensor({c.S - 3, int64_t{0}}, torch::kLong).narrow(0, 0, c.B).contiguous();
+    if (c.key_lengths) allowed &= keys.lt(lengths.view({-1, 1, 1, 1}));
+    auto mask = torch::rand({c.B, 1, c.N, c.S}).gt(0.3);
+    if (c.dead_rows) {
+      mask.index_put_({torch::indexing::Slice(), 0, torch::indexing::Slice(3, 9)}, false);
+      mask.index_put_({torch::indexing::Slice(), 0, 70}, false);
+      allowed &= mask;
+    }
+
+    tiled::Problem<double> p;
+    p.B = c.B, p.H = H, p.Hkv = H, p.N = c.N, p.S = c.S, p.D = D, p.Dv = D;
+    p.scale = 1.0 / std::sqrt(static_cast<double>(D));
+    p.causal = c.causal;
+    p.window = c.window;
+    if (c.key_lengths) p.key_lengths = lengths.data_ptr<int64_t>();
+    if (c.dead_rows) {
+      p.mask.bools = mask.data_ptr<bool>();
+      p.mask.stride_b = c.N * c.S, p.mask.stride_h = 0, p.mask.stride_row = c.S, p.mask.stride_key = 1;
+    }
+    ASSERT_TRUE(tiled::keeps_probabilities(p));
+    const auto view = [](const torch::Tensor& t) {
+      return tiled::Matrix4<double>{t.data_ptr<double>(), t.stride(0), t.stride(1), t.stride(2)};
+    };
+    auto out = torch::empty({c.B, H, c.N, D}, torch::kDouble);
+    auto lse = torch::empty({c.B, H, c.N}, torch::kDouble);
+    auto kept = torch::full({c.B, H, c.N, c.S}, std::numeric_limits<double>::quiet_NaN(), torch::kDouble);
+    tiled::forward_blocks<double, double>(
+        p, view(q), view(k), view(v),
+        tiled::OutputMatrix4<double>{out.data_ptr<double>(), out.stride(0), out.stride(1), out.stride(2)},
+        lse.data_ptr<double>(), kept.data_ptr<double>());
+
+    const auto scores = torch::matmul(q, k.transpose(-2, -1)) * p.scale;
+    const auto masked = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+    // softmax, with 0 for a row that attends to nothing (softmax itself would give NaN there)
+    const auto attends = allowed.any(-1, /*keepdim=*/true);
+    const auto expected = torch::softmax(masked.masked_fill(attends.logical_not(), 0.0), -1) * allowed;
+    ASSERT_TRUE(torch::isfinite(kept).all().item<bool>()) << "a pair of P left unwritten";
+    EXPECT_TRUE(torch::allclose(kept, expected, 1e-12, 1e-12)) << (kept - expected).abs().max().item<double>();
+    EXPECT_TRUE(torch::allclose(out, torch::matmul(expected, v), 1e-12, 1e-12));
+  }
+}
+
 // The bfloat16 backward over many query and key blocks on one thread, so that every key block of a
 // head runs after the one before it in the same scratch panels (a causal block whose rows see 64
 // of its keys after one whose rows saw all 256): several query blocks per key block (N up to 600),

@@ -96,10 +96,20 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
       std::fill(accumulator.begin(), accumulator.end(), acc_t(0));
       const int64_t key_end = p.key_limit(b, i0 + rows);
-      // Kept probabilities: the rows' pairs outside their one key block (or every pair of a row
-      // that attends to nothing) are 0.
+      // Kept probabilities (keeps_probabilities: S <= Bc, so the loop below runs at most once, over
+      // keys [key_begin, key_end)): the pairs outside those keys are 0, written here; the loop
+      // writes the rest (0 for a row that attends to nothing). Filling only what the loop does not
+      // write spares a causal block most of a pass over its P.
       acc_t* kept_rows = probabilities != nullptr ? probabilities + ((b * p.H + h) * p.N + i0) * p.S : nullptr;
-      if (kept_rows != nullptr) std::fill(kept_rows, kept_rows + rows * p.S, acc_t(0));
+      if (kept_rows != nullptr) {
+        const int64_t written_begin = std::min(p.key_begin(i0), p.S);
+        const int64_t written_end = std::max(written_begin, key_end);
+        for (int64_t r = 0; r < rows; ++r) {
+          acc_t* kept = kept_rows + r * p.S;
+          std::fill(kept, kept + written_begin, acc_t(0));
+          std::fill(kept + written_end, kept + p.S, acc_t(0));
+        }
+      }
       for (int64_t j0 = p.key_begin(i0); j0 < key_end; j0 += kKeysPerBlock) {  // a window skips older keys
         const int64_t cols = std::min(kKeysPerBlock, key_end - j0);
         // Blocks on the block grid are packed once, whole, and reused: a causal or length-limited
@@ -145,6 +155,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
             } else {
               std::fill(row, row + cols, acc_t(0));
             }
+            if (kept_rows != nullptr) std::fill_n(kept_rows + r * p.S + j0, cols, acc_t(0));
             continue;
           }
           const acc_t correction = std::exp(row_max[r] - new_max);  // exp(-inf) = 0 on the first block
