@@ -3,16 +3,18 @@
 # device, qkv-bench (C++, Google Benchmark) and scripts/bench_pytorch.py (Python) take turns,
 # --rounds times, with the same thread count; then one table and the raw results as JSON.
 #   scripts/bench.sh [--device cpu|cuda] [--threads N] [--rounds R] [--min-time S] [--cases REGEX]
-#                    [--pytorch WHERE ...] [--malloc-defaults] [--out FILE]
+#                    [--pytorch WHERE ...] [--malloc-defaults] [--emulate avx2|avx512] [--out FILE]
 # Defaults: cpu, threads = cores, 3 rounds, 0.5 s per repetition, every non-optional case (a
 # --cases REGEX includes optional ones), bench-results.json. --pytorch (repeatable): where the
 # PyTorch side runs: "host" (this machine's /usr/bin/python3, the default) or a Debian release
 # whose python3-torch runs in a chroot (scripts/test-in-debian.sh), e.g. --pytorch host
 # --pytorch trixie --pytorch sid times PyTorch 1.13, 2.6 and the newest in the same run.
 # Both sides run with qkv-train's malloc setting (below); --malloc-defaults runs both at glibc's.
+# --emulate: both sides on this CPU made to look like one without bfloat16 instructions
+# (scripts/bench_env.sh), for bfloat16 cases against float32 on such CPUs.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-device=cpu threads=$(nproc) rounds=3 min_time=0.5 filter="" out=bench-results.json malloc_defaults=false
+device=cpu threads=$(nproc) rounds=3 min_time=0.5 filter="" out=bench-results.json malloc_defaults=false emulate=""
 pytorch_sides=()
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -24,7 +26,8 @@ while [[ $# -gt 0 ]]; do
     --pytorch) pytorch_sides+=("$2"); shift 2 ;;
     --out) out=$2; shift 2 ;;
     --malloc-defaults) malloc_defaults=true; shift ;;
-    -h|--help) sed -n 2,12p "$0"; exit 0 ;;
+    --emulate) emulate=$2; shift 2 ;;
+    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
     *) echo "bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -36,6 +39,7 @@ source "$root/scripts/bench_env.sh"
 use_fitting_openblas_core "$bench" bench
 # --malloc-defaults: both sides at glibc's own malloc settings (bench_env.sh says why not by default).
 $malloc_defaults || use_same_malloc_setting
+[[ -z "$emulate" ]] || emulate_cpu "$emulate" bench
 raw=$(mktemp -d)
 trap 'rm -rf "$raw"' EXIT
 

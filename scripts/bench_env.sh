@@ -34,3 +34,26 @@ use_same_malloc_setting() {
     export GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456
   fi
 }
+
+# This CPU made to look like one without some of its instructions, for the figures of a kind of CPU
+# that is not at hand (issue 21's tiers: AMX, AVX512_BF16 only, neither): qkv's kernels and
+# bfloat16 routes (QKV_TILED_ISA), LibTorch's vector loops (ATEN_CPU_CAPABILITY), oneDNN's JIT
+# kernels (ONEDNN_MAX_CPU_ISA) and OpenBLAS's (OPENBLAS_CORETYPE) each capped, for every side.
+# What it does not change: the caches, memory and clock, and the loops GCC clones per instruction
+# set (qkv's rounding and widening), which still run their widest clone.
+#   emulate_cpu KIND NAME     KIND: avx2 (AMD Zen 2/3, Intel without AVX-512) or avx512 (AVX-512
+#                             without AVX512_BF16 or AMX: Intel Skylake-SP, Ice Lake); NAME as above
+emulate_cpu() {
+  case $1 in
+    avx2) export QKV_TILED_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OPENBLAS_CORETYPE=Haswell ;;
+    avx512) export QKV_TILED_ISA=avx512 ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE OPENBLAS_CORETYPE=SkylakeX ;;
+    *) echo "$2: --emulate takes avx2 or avx512, got '$1'" >&2; exit 2 ;;
+  esac
+  local needed=$1
+  [[ $needed == avx512 ]] && needed=avx512f
+  if ! grep -qw "$needed" /proc/cpuinfo; then
+    echo "$2: --emulate $1 needs a CPU with $needed (this one has none)" >&2
+    exit 2
+  fi
+  echo "$2: emulating a CPU with $1 and no bfloat16 instructions: QKV_TILED_ISA=$QKV_TILED_ISA ATEN_CPU_CAPABILITY=$ATEN_CPU_CAPABILITY ONEDNN_MAX_CPU_ISA=$ONEDNN_MAX_CPU_ISA OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE" >&2
+}

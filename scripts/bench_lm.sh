@@ -3,16 +3,22 @@
 #  1. training tokens/s: qkv-train --task lm against scripts/lm_pytorch.py (the same model, data,
 #     batches and optimizer in PyTorch), at qkv-train's default configuration, after 2 untimed steps;
 #  2. generation tokens/s of qkv-train --generate with the KV cache against without it
-#     (recomputing the whole prefix for every token), 256 new tokens.
-#   scripts/bench_lm.sh [--threads N] [--rounds R] [--steps S] [--qkv WHERE ...] [--pytorch WHERE]
-#                       [--dropout P]
+#     (recomputing the whole prefix for every token), 256 new tokens;
+#  3. with --precision given more than once (fp32 and bf16-mixed), qkv-train's training tokens/s
+#     at each precision in the same rounds, and their ratio against issue 21's goal for the
+#     instruction set that ran (amx_bf16 >= 1.5, avx512_bf16 >= 1.2, without either >= 1.0).
+#   scripts/bench_lm.sh [--threads N] [--rounds R] [--steps S] [--qkv WHERE ...] [--pytorch WHERE|none]
+#                       [--dropout P] [--precision P ...] [--emulate avx2|avx512] [--no-generation]
 # Defaults: threads = cores, 3 rounds, 30 training steps per measurement, qkv-train and PyTorch on
 # this machine (WHERE: host, or a Debian release's chroot as in scripts/bench.sh; --qkv is
 # repeatable: --qkv host --qkv sid times qkv built on this machine's LibTorch and on unstable's in
-# the same rounds), the lm's dropout (0.1; both sides take --dropout P). Prints one table.
+# the same rounds), the lm's dropout (0.1; both sides take --dropout P), qkv-train in fp32 (the
+# PyTorch side, float32, is compared with qkv's fp32 run). --pytorch none and --no-generation
+# leave those measurements out; --emulate makes this CPU look like one without bfloat16
+# instructions (scripts/bench_env.sh). Prints one table.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-threads=$(nproc) rounds=3 steps=30 pytorch=host dropout=() qkv_sides=()
+threads=$(nproc) rounds=3 steps=30 pytorch=host dropout=() qkv_sides=() precisions=() emulate="" generation=true
 while [[ $# -gt 0 ]]; do
   case $1 in
     --threads) threads=$2; shift 2 ;;
@@ -21,11 +27,25 @@ while [[ $# -gt 0 ]]; do
     --qkv) qkv_sides+=("$2"); shift 2 ;;
     --pytorch) pytorch=$2; shift 2 ;;
     --dropout) dropout=(--dropout "$2"); shift 2 ;;
-    -h|--help) sed -n 2,12p "$0"; exit 0 ;;
+    --precision) precisions+=("$2"); shift 2 ;;
+    --emulate) emulate=$2; shift 2 ;;
+    --no-generation) generation=false; shift ;;
+    -h|--help) sed -n 2,19p "$0"; exit 0 ;;
     *) echo "bench_lm.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 [[ ${#qkv_sides[@]} -gt 0 ]] || qkv_sides=(host)
+[[ ${#precisions[@]} -gt 0 ]] || precisions=(fp32)
+for precision in "${precisions[@]}"; do
+  case $precision in
+    fp32|bf16-mixed|fp16-mixed) ;;
+    *) echo "bench_lm.sh: --precision takes fp32, bf16-mixed or fp16-mixed, got '$precision'" >&2; exit 2 ;;
+  esac
+done
+if [[ $pytorch != none && " ${precisions[*]} " != *" fp32 "* ]]; then
+  echo "bench_lm.sh: the PyTorch side is compared with qkv-train's fp32 run: add --precision fp32, or --pytorch none" >&2
+  exit 2
+fi
 build_dir=${QKV_BUILD_DIR:-$root/build}
 if [[ -z "${QKV_SKIP_BUILD:-}" ]]; then
   "$root/scripts/build.sh" qkv-train qkv-bench > /dev/null
@@ -37,6 +57,7 @@ train="$build_dir/apps/qkv-train"
 source "$root/scripts/bench_env.sh"
 use_fitting_openblas_core "$build_dir/apps/qkv-bench" bench_lm
 use_same_malloc_setting  # qkv-train's own setting, given to every process (bench_env.sh)
+[[ -z "$emulate" ]] || emulate_cpu "$emulate" bench_lm
 
 # Under build/, where a chroot sees it too (as /qkv/build/...).
 mkdir -p "$root/build"
@@ -91,61 +112,105 @@ run_lm_pytorch() {
 # The default configuration, as qkv-train resolves it (lm_pytorch.py takes the same options from
 # its summary); and for each qkv side a model to generate from, with a context of 320 for 256 new
 # tokens after the prompt (its weights do not change the speed).
-"$train" --task lm --device cpu --threads "$threads" --steps 1 --eval-every 1000 --quiet "${dropout[@]}" \
-  --out "$work/defaults" > /dev/null
-for side in "${qkv_sides[@]}"; do  # each side's own checkpoint, in its LibTorch's format
-  run_qkv_train "$side" --task lm --device cpu --threads "$threads" --seq-len 320 --steps 2 --eval-every 1000 --quiet \
-    --json --out "$work/model-$side" > /dev/null
-done
+if [[ $pytorch != none ]]; then
+  "$train" --task lm --device cpu --threads "$threads" --steps 1 --eval-every 1000 --quiet "${dropout[@]}" \
+    --out "$work/defaults" > /dev/null
+fi
+if $generation; then
+  for side in "${qkv_sides[@]}"; do  # each side's own checkpoint, in its LibTorch's format
+    run_qkv_train "$side" --task lm --device cpu --threads "$threads" --seq-len 320 --steps 2 --eval-every 1000 \
+      --quiet --json --out "$work/model-$side" > /dev/null
+  done
+fi
 
-declare -A qkv_train=() cached=() uncached=()
-pytorch_train=()
+# Every measurement as a line of $work/results.tsv: what, qkv side, precision, round, value.
+results="$work/results.tsv"
+: > "$results"
 for round in $(seq 1 "$rounds"); do
   echo "bench_lm: round $round/$rounds" >&2
+  # The precisions take turns going first, round by round, so that neither always runs on the
+  # machine as the other left it.
+  order=("${precisions[@]}")
+  if (( round % 2 == 0 )); then
+    order=()
+    for (( i = ${#precisions[@]} - 1; i >= 0; i-- )); do order+=("${precisions[i]}"); done
+  fi
   for side in "${qkv_sides[@]}"; do
-    rm -rf "$work/train-$side"
-    run_qkv_train "$side" --task lm --device cpu --threads "$threads" --steps $((warmup + steps)) --log-every 1 \
-      --eval-every 100000 --quiet "${dropout[@]}" --json --out "$work/train-$side" > /dev/null
-    qkv_train[$side]+=" $(steady_tokens_per_s "$work/train-$side")"
-  done
-  run_lm_pytorch > "$work/pytorch.json"
-  pytorch_train+=("$(json_field tokens_per_s < "$work/pytorch.json")")
-  for side in "${qkv_sides[@]}"; do
-    for cache in yes no; do
-      flag=()
-      [[ $cache == yes ]] || flag=(--no-kv-cache)
-      result=$(run_qkv_train "$side" --task lm --device cpu --threads "$threads" --generate --resume "$work/model-$side" \
-        --max-new-tokens 256 --temperature 0 --json "${flag[@]}" 2> /dev/null | json_field tokens_per_s)
-      if [[ $cache == yes ]]; then cached[$side]+=" $result"; else uncached[$side]+=" $result"; fi
+    for precision in "${order[@]}"; do
+      run="$work/train-$side-$precision"
+      rm -rf "$run"
+      run_qkv_train "$side" --task lm --device cpu --threads "$threads" --steps $((warmup + steps)) --log-every 1 \
+        --eval-every 100000 --quiet "${dropout[@]}" --precision "$precision" --json --out "$run" > /dev/null
+      printf 'train\t%s\t%s\t%s\t%s\n' "$side" "$precision" "$round" "$(steady_tokens_per_s "$run")" >> "$results"
     done
   done
+  if [[ $pytorch != none ]]; then
+    run_lm_pytorch > "$work/pytorch.json"
+    printf 'pytorch\t-\tfp32\t%s\t%s\n' "$round" "$(json_field tokens_per_s < "$work/pytorch.json")" >> "$results"
+  fi
+  if $generation; then
+    for side in "${qkv_sides[@]}"; do
+      for cache in yes no; do
+        flag=()
+        [[ $cache == yes ]] || flag=(--no-kv-cache)
+        result=$(run_qkv_train "$side" --task lm --device cpu --threads "$threads" --generate --resume "$work/model-$side" \
+          --max-new-tokens 256 --temperature 0 --json "${flag[@]}" 2> /dev/null | json_field tokens_per_s)
+        printf 'generate-cache-%s\t%s\tfp32\t%s\t%s\n' "$cache" "$side" "$round" "$result" >> "$results"
+      done
+    done
+  fi
 done
-sides=()
-for side in "${qkv_sides[@]}"; do sides+=("$side|${qkv_train[$side]}|${cached[$side]}|${uncached[$side]}"); done
-"$python" - "$threads" "$work" "${pytorch_train[*]}" "${dropout[1]:-}" "${GLIBC_TUNABLES:-none}" "${sides[@]}" << 'PY'
-import json, statistics, sys
-threads, work, pytorch, dropout, tunables = sys.argv[1:6]
-pytorch = [float(x) for x in pytorch.split()]
-torch_version = json.loads(open(f"{work}/pytorch.json").read())["torch_version"]
-dropout_note = f" with dropout {dropout}" if dropout else ""
-ratio = lambda a, b: statistics.median(x / y for x, y in zip(a, b))
+"$python" - "$threads" "$work" "${dropout[1]:-}" "${GLIBC_TUNABLES:-none}" "${emulate:-}" "${precisions[@]}" << 'PY'
+import collections, json, os, statistics, sys
+threads, work, dropout, tunables, emulate = sys.argv[1:6]
+precisions = sys.argv[6:]
+values = collections.defaultdict(dict)  # (what, side, precision) -> {round: value}
+for line in open(f"{work}/results.tsv"):
+    what, side, precision, round_, value = line.rstrip("\n").split("\t")
+    values[(what, side, precision)][int(round_)] = float(value)
+sides = list(dict.fromkeys(side for what, side, _ in values if what == "train"))
+pytorch = values.get(("pytorch", "-", "fp32"), {})
+def ratio(a, b):  # the median of the per-round ratios
+    return statistics.median(a[r] / b[r] for r in a if r in b)
+median = lambda a: statistics.median(a.values())
 judged = lambda value, goal: f"≥ {goal}: {'met' if value >= goal else 'missed'}"  # on the unrounded median
-print(f"language model, default configuration{dropout_note}, {threads} threads, PyTorch {torch_version}; "
-      f"medians of {len(pytorch)} rounds; both sides' GLIBC_TUNABLES: {tunables}")
+# Issue 21's goal for bf16-mixed against fp32, by what the products ran on.
+bf16_goal = lambda isa: {"amx_bf16": 1.5, "avx512_bf16": 1.2}.get(isa, 1.0)
+header = f"language model, default configuration{' with dropout ' + dropout if dropout else ''}, {threads} threads"
+if os.path.exists(f"{work}/pytorch.json"):
+    header += f", PyTorch {json.loads(open(f'{work}/pytorch.json').read())['torch_version']}"
+rounds = len({r for series in values.values() for r in series})
+header += f"; medians of {rounds} rounds; every process's GLIBC_TUNABLES: {tunables}"
+if emulate:
+    header += (f"; emulating a CPU with {emulate} and no bfloat16 instructions (QKV_TILED_ISA={os.environ.get('QKV_TILED_ISA')}, "
+               f"ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')})")
+print(header)
 print("| measurement | qkv | other | ratio | goal |")
 print("| --- | --- | --- | --- | --- |")
-rounds = []
-for entry in sys.argv[6:]:
-    side, trained, cached, uncached = entry.split("|")
-    trained, cached, uncached = ([float(x) for x in a.split()] for a in (trained, cached, uncached))
-    summary = json.load(open(f"{work}/train-{side}/summary.json"))
-    version = summary["torch_version"]  # the LibTorch it was built on
-    built = f"qkv-train on LibTorch {version} ({side}; linear layers on {summary.get('linear_products', 'unknown')})"
-    print(f"| training tokens/s: {built} vs lm_pytorch.py | {statistics.median(trained):.0f} "
-          f"| {statistics.median(pytorch):.0f} | {ratio(trained, pytorch):.3f} | {judged(ratio(trained, pytorch), 1.3)} |")
-    print(f"| generation tokens/s, 256 new, {built}: KV cache vs recomputing the prefix "
-          f"| {statistics.median(cached):.0f} | {statistics.median(uncached):.0f} | {ratio(cached, uncached):.2f} "
-          f"| {judged(ratio(cached, uncached), 5)} |")
-    rounds.append(f"qkv ({side}) {trained} cached {cached} uncached {uncached}")
-print("rounds:", "; ".join(rounds), "; pytorch", pytorch)
+for side in sides:
+    runs = {p: json.load(open(f"{work}/train-{side}-{p}/summary.json")) for p in precisions}
+    first = runs[precisions[0]]
+    built = (f"qkv-train on LibTorch {first['torch_version']} ({side}; instruction set "
+             f"{first.get('instruction_set', 'unknown')}; linear layers on {first.get('linear_products', 'unknown')})")
+    trained = {p: values[("train", side, p)] for p in precisions}
+    if pytorch:
+        print(f"| training tokens/s: {built} vs lm_pytorch.py | {median(trained['fp32']):.0f} "
+              f"| {median(pytorch):.0f} | {ratio(trained['fp32'], pytorch):.3f} | {judged(ratio(trained['fp32'], pytorch), 1.3)} |")
+    if "fp32" in precisions:
+        for p in precisions:
+            if p == "fp32":
+                continue
+            isa = runs[p].get("instruction_set", "unknown")
+            print(f"| training tokens/s, {built}: {p} vs fp32 | {median(trained[p]):.0f} | {median(trained['fp32']):.0f} "
+                  f"| {ratio(trained[p], trained['fp32']):.3f} | {judged(ratio(trained[p], trained['fp32']), bf16_goal(isa)) if p == 'bf16-mixed' else ''} |")
+    elif not pytorch:
+        for p in precisions:
+            print(f"| training tokens/s, {built}: {p} | {median(trained[p]):.0f} | | | |")
+    cached, uncached = values.get(("generate-cache-yes", side, "fp32")), values.get(("generate-cache-no", side, "fp32"))
+    if cached and uncached:
+        print(f"| generation tokens/s, 256 new, {built}: KV cache vs recomputing the prefix "
+              f"| {median(cached):.0f} | {median(uncached):.0f} | {ratio(cached, uncached):.2f} "
+              f"| {judged(ratio(cached, uncached), 5)} |")
+print("rounds:", "; ".join(f"{what} {side} {precision} {[round(v) for _, v in sorted(series.items())]}"
+                           for (what, side, precision), series in sorted(values.items())))
 PY

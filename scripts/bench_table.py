@@ -78,10 +78,16 @@ def human_bytes(value):
     return f"{value / 2**20:.0f} MiB" if value else "-"
 
 
+def round_of(path):
+    """The round of a raw result file, NAME-ROUND.json."""
+    return int(path.rsplit("-", 1)[1].split(".")[0])
+
+
 def read_qkv(raw, name):
     ms, flops, peak, above = [], [], [], []
     context = {}
-    for path in sorted(glob.glob(os.path.join(raw, f"qkv-{name}-*.json"))):
+    # In round order (as read_pytorch's), so that round i of both sides pair up past round 9 too.
+    for path in sorted(glob.glob(os.path.join(raw, f"qkv-{name}-*.json")), key=round_of):
         with open(path) as file:
             report = json.load(file)
         context = report["context"]
@@ -99,8 +105,7 @@ def read_qkv(raw, name):
 def read_pytorch(raw, side, name):
     """{impl: {"ms": [...], "flops": [...], "peak": [...]}} and the side's versions."""
     results, context = {}, {}
-    for path in sorted(glob.glob(os.path.join(raw, f"pytorch@{side}-{name}-*.json")),
-                       key=lambda p: int(p.rsplit("-", 1)[1].split(".")[0])):
+    for path in sorted(glob.glob(os.path.join(raw, f"pytorch@{side}-{name}-*.json")), key=round_of):
         with open(path) as file:
             report = json.load(file)
         context = {k: report[k] for k in ("torch_version", "threads", "python")}
@@ -127,6 +132,30 @@ def malloc_setting():
     return " ".join(tunables + legacy) or "glibc's defaults"
 
 
+def bfloat16_against_float32(rows, cases, isa):
+    """Issue 21's comparisons of qkv with itself: a bfloat16 case's time against its float32 case's
+    (against_float32 in cases.json), or its FLOP rate against a product's (rate_against), round by
+    round, each with the goal for the instruction set the products ran on."""
+    by_name = {r["case"]: r for r in rows}
+    compared = []
+    for r in rows:
+        case = cases[r["case"]]
+        for key, kind in (("against_float32", "time"), ("rate_against", "rate")):
+            spec = case.get(key)
+            if spec is None or spec["case"] not in by_name:
+                continue
+            other = by_name[spec["case"]]
+            if kind == "time":  # float32 time / bfloat16 time: above 1, bfloat16 is faster
+                pairs = [f / b for f, b in zip(other["qkv_ms_rounds"], r["qkv_ms_rounds"])]
+            else:  # this case's FLOP rate / the product's
+                pairs = [b / o for b, o in zip(r["qkv_flops_rounds"], other["qkv_flops_rounds"])]
+            goal = spec["goals"].get(isa, spec["goals"].get("other"))
+            ratio = statistics.median(pairs)
+            compared.append({"case": r["case"], "against": spec["case"], "kind": kind, "ratio": ratio,
+                             "ratio_rounds": pairs, "goal": goal, "goal_met": None if goal is None else ratio >= goal})
+    return compared
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--raw", required=True)
@@ -147,7 +176,7 @@ def main():
         case = cases[name]
         qkv_ms, qkv_flops, qkv_peak, qkv_above, context = read_qkv(args.raw, name)
         row = {"case": name, "shape": shape_of(case), "kind": case["kind"], "qkv_ms": statistics.median(qkv_ms),
-               "qkv_ms_rounds": qkv_ms, "qkv_flops_per_s": statistics.median(qkv_flops),
+               "qkv_ms_rounds": qkv_ms, "qkv_flops_per_s": statistics.median(qkv_flops), "qkv_flops_rounds": qkv_flops,
                "qkv_peak_memory_bytes": max(qkv_peak), "qkv_peak_above_baseline_bytes": max(qkv_above),
                "goal": case.get("goal"), "memory_goal": case.get("memory_goal"), "pytorch": {}}
         for side in sides:
@@ -184,8 +213,9 @@ def main():
         "google_benchmark": {k: context.get(k) for k in ("library_version", "library_build_type", "num_cpus", "mhz_per_cpu")},
         "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else None,
     }
+    against_float32 = bfloat16_against_float32(rows, cases, meta["qkv_tiled_isa"])
     with open(args.out, "w") as file:
-        json.dump({"meta": meta, "rows": rows}, file, indent=2)
+        json.dump({"meta": meta, "rows": rows, "bfloat16_against_float32": against_float32}, file, indent=2)
 
     described = ", ".join(f"{side}: PyTorch {v['torch_version']} (Python {v['python']})" for side, v in side_versions.items())
     print(f"qkv vs PyTorch on {args.device}: {meta['date']}, {meta['cpu']} ({meta['cores']} cores), "
@@ -224,6 +254,17 @@ def main():
     print("| " + " | ".join("-" * w for w in widths) + " |")
     for line in lines[1:]:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+    if against_float32:
+        print(f"qkv's bfloat16 against its own float32 (issue 21), the products on {meta['qkv_tiled_isa']}: "
+              "ratio = median over rounds of the float32 case's time / the bfloat16 case's (against a product: the "
+              "bfloat16 case's FLOP rate / the product's)")
+        print("| bfloat16 case | against | ratio | rounds | goal |")
+        print("| --- | --- | --- | --- | --- |")
+        for c in against_float32:
+            goal = "" if c["goal"] is None else f"≥ {c['goal']:g}{'' if c['kind'] == 'time' else ' of the rate'}: " + (
+                "met" if c["goal_met"] else "missed")
+            print(f"| {c['case']} | {c['against']} | {c['ratio']:.3f} | {', '.join(f'{x:.3f}' for x in c['ratio_rounds'])} "
+                  f"| {goal} |")
     print(f"raw results: {args.out}")
 
 

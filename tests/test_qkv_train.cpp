@@ -289,6 +289,10 @@ TEST(TrainTasks, Bf16MixedPrecisionReachesTheFloat32Figures) {
     EXPECT_NEAR(actual["eval"][metric].get<double>(), expected["eval"][metric].get<double>(), 0.05) << task;
     EXPECT_GE(actual["eval"][metric].get<double>(), 0.9) << task;
     EXPECT_EQ(actual["precision"], "bf16-mixed");
+    // and on which instructions: this process's (ctest's routes.isa_* reruns cap it by QKV_TILED_ISA)
+    EXPECT_THAT(actual["instruction_set"].get<std::string>(),
+                testing::AnyOf("amx_bf16", "avx512_bf16", "avx512", "avx2", "portable"));
+    EXPECT_EQ(actual["instruction_set"], qkv::tiled_instruction_set());
     EXPECT_EQ(actual["loss_scale"], 1.0);
     const auto metrics = read_file(out / "metrics.csv");
     EXPECT_THAT(metrics.substr(0, metrics.find('\n')), HasSubstr("loss_scale,precision"));

@@ -358,6 +358,9 @@ class Trainer {
         {"qkv_version", QKV_VERSION_STRING},
         {"backend", qkv::to_string(task_->backend())},
         {"linear_products", device_.is_cpu() ? qkv::linear_products() : "LibTorch's"},
+        // What the attention's and (under bfloat16 autocast) the linear layers' products ran on:
+        // amx_bf16, avx512_bf16, avx512, avx2 or portable (the CPU's, capped by QKV_TILED_ISA).
+        {"instruction_set", device_.is_cpu() ? qkv::tiled_instruction_set() : device_.str()},
         {"steps", step_},
         {"initial_loss", initial_loss_.value_or(last_loss_)},
         {"final_loss", last_loss_},
