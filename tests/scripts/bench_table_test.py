@@ -1,0 +1,81 @@
+"""scripts/bench_table.py on made-up raw results (ctest: scripts.bench_table): 12 rounds, so that a
+round's files sort differently as text (1, 10, 11, 12, 2, ...) and as numbers; the ratios must pair
+round i of one side with round i of the other. Also the table of qkv's bfloat16 against its own
+float32 (cases.json's against_float32 and rate_against), with issue 21's goal for the
+instruction set in the results. Exit 77 (skipped) where this Python has no torch (bench_table
+imports it)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+try:
+    import torch  # noqa: F401  (bench_table.py needs it)
+except ImportError:
+    print("no torch under this Python: skipped")
+    sys.exit(77)
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+ROUNDS = 12
+
+
+def write(path, value):
+    with open(path, "w") as file:
+        json.dump(value, file)
+
+
+def qkv_result(ms, flops, isa):
+    return {"context": {"tiled_isa": isa, "torch_version": "test", "linear_products": "test"},
+            "benchmarks": [{"real_time": ms, "time_unit": "ms", "FLOPS": flops, "peak_memory_bytes": 1.0,
+                            "peak_above_baseline_bytes": 0.0}]}
+
+
+def pytorch_result(ms):
+    return {"torch_version": "test", "threads": 2, "python": "3",
+            "results": [{"impl": "sdpa", "median_s": ms / 1e3, "flops_per_s": 1.0, "peak_memory_bytes": 1.0}]}
+
+
+def table(isa):
+    """qkv and PyTorch times per round chosen so that only in-order pairing gives ratio 2 in
+    every round; returns bench_table.py's JSON and stdout."""
+    with tempfile.TemporaryDirectory() as raw:
+        for r in range(1, ROUNDS + 1):
+            float32_ms = 10.0 * r  # a drifting machine: every side slower round by round
+            write(f"{raw}/qkv-flash_n512_bh64_forward_backward-{r}.json", qkv_result(float32_ms, 1.0, isa))
+            write(f"{raw}/pytorch@host-flash_n512_bh64_forward_backward-{r}.json", pytorch_result(2 * float32_ms))
+            # bfloat16 3x as fast as float32 in every round; its FLOP rate 0.6 of the product's
+            write(f"{raw}/qkv-bf16_n512_bh64_forward_backward-{r}.json", qkv_result(float32_ms / 3, 1.0, isa))
+            write(f"{raw}/qkv-bf16_n4096_forward-{r}.json", qkv_result(5.0, 60.0 * r, isa))
+            write(f"{raw}/qkv-bf16_gemm_4096-{r}.json", qkv_result(5.0, 100.0 * r, isa))
+        out = os.path.join(raw, "results.json")
+        run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_table.py"), "--raw", raw, "--out", out,
+                              "--device", "cpu", "--threads", "2"], capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"FAIL: bench_table.py exited {run.returncode}: {run.stderr}")
+        with open(out) as file:
+            return json.load(file), run.stdout
+
+
+failures = []
+for isa, core_goal, rate_goal in (("amx_bf16", 3.0, 0.5), ("avx512_bf16", 1.5, None), ("avx2", 1.0, None)):
+    results, stdout = table(isa)
+    rows = {row["case"]: row for row in results["rows"]}
+    pairs = rows["flash_n512_bh64_forward_backward"]["pytorch"]["host"]["ratio_rounds"]
+    if any(abs(p - 2.0) > 1e-9 for p in pairs) or len(pairs) != ROUNDS:
+        failures.append(f"{isa}: PyTorch/qkv per round {pairs}, expected 2.0 in each of {ROUNDS}")
+    compared = {c["case"]: c for c in results["bfloat16_against_float32"]}
+    core = compared.get("bf16_n512_bh64_forward_backward")
+    if core is None or any(abs(p - 3.0) > 1e-9 for p in core["ratio_rounds"]) or core["goal"] != core_goal:
+        failures.append(f"{isa}: bfloat16 core against float32 {core}, expected 3.0 a round, goal {core_goal}")
+    elif core["goal_met"] != (3.0 >= core_goal):
+        failures.append(f"{isa}: goal {core_goal} judged {core['goal_met']}")
+    rate = compared.get("bf16_n4096_forward")
+    if rate is None or any(abs(p - 0.6) > 1e-9 for p in rate["ratio_rounds"]) or rate["goal"] != rate_goal:
+        failures.append(f"{isa}: bfloat16 forward's rate against the product {rate}, expected 0.6, goal {rate_goal}")
+    if f"the products on {isa}" not in stdout or "| bf16_n512_bh64_forward_backward | flash_n512" not in stdout:
+        failures.append(f"{isa}: the table does not show the comparison:\n{stdout}")
+if failures:
+    print("FAIL:\n" + "\n".join(failures))
+    sys.exit(1)
+print("bench_table.py: rounds paired in order; bfloat16 against float32 with each instruction set's goal")
