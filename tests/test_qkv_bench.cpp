@@ -50,12 +50,13 @@ TEST(BenchApp, ListsTheCasesOfTheSharedCaseFileAndRefusesBadFlags) {
 // OpenBLAS's own generic kernels forced (OPENBLAS_CORETYPE=PRESCOTT, what it falls back to for a
 // CPU it does not know) on a CPU with AVX2 or more: qkv-bench says so and names a core type that
 // fits; so it does for OpenBLAS's AVX2 kernels (HASWELL, which an environment had forced on an AMD Zen 5) on a
-// CPU with AVX-512; with the core type that fits the CPU's flags, it says nothing. The context
-// reports the core either way.
+// CPU with AVX-512, unless QKV_TILED_ISA=avx2 makes it look like an AVX2 CPU; with the core type
+// that fits the CPU's flags, it says nothing. The context reports the core either way.
 TEST(BenchApp, SaysWhenOpenBlasRunsKernelsBelowTheCpu) {
-  auto advice_for = [](const std::string& coretype) {
-    auto run =
-        qkv_test::run_command("OPENBLAS_CORETYPE=" + coretype + " " + std::string(QKV_BENCH_PATH) + " --blas-advice");
+  auto advice_for = [](const std::string& coretype, const std::string& tiled_isa = "") {
+    auto run = qkv_test::run_command("env -u QKV_TILED_ISA " + (tiled_isa.empty() ? "" : "QKV_TILED_ISA=" + tiled_isa + " ") +
+                                     "OPENBLAS_CORETYPE=" + coretype + " " + std::string(QKV_BENCH_PATH) +
+                                     " --blas-advice");
     EXPECT_EQ(run.exit_code, 0) << run.output;
     return run.output;
   };
@@ -82,6 +83,7 @@ TEST(BenchApp, SaysWhenOpenBlasRunsKernelsBelowTheCpu) {
   if (avx512) {
     EXPECT_THAT(haswell, HasSubstr("AVX2 'Haswell' kernels"));
     EXPECT_THAT(haswell, HasSubstr("OPENBLAS_CORETYPE=" + fitting + "\n"));
+    EXPECT_EQ(advice_for("HASWELL", "avx2"), "");  // this CPU made to look like an AVX2 one
   } else {
     EXPECT_EQ(haswell, "");
   }

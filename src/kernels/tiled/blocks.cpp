@@ -76,7 +76,9 @@ std::string blas_core() {
 
 std::string blas_core_advice() {
   const std::string core = blas_core();
-  const ProductIsa isa = detected_isa();
+  // The CPU as qkv sees it: one that QKV_TILED_ISA makes look like an AVX2 CPU (to measure such
+  // CPUs, scripts/bench_env.sh's emulate_cpu) fits OpenBLAS's AVX2 kernels.
+  const ProductIsa isa = usable_isa();
   const std::string flags = cpu_flags();
   const bool avx512_kernels_run = at_least(isa, ProductIsa::Avx512) && flags.find("avx512dq") != std::string::npos;
   const char* avx512_core = at_least(isa, ProductIsa::Avx512Bf16) ? "COOPERLAKE" : "SKYLAKEX";
