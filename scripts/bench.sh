@@ -84,8 +84,8 @@ for round in $(seq 1 "$rounds"); do
       run_pytorch "$side" "$case" > "$raw/pytorch@$side-$case-$round.json" || status=$?
       if [[ $status -eq 3 ]]; then
         rm -f "$raw/pytorch@$side-$case-$round.json"
-      elif [[ $status -ne 0 && -n "$emulate" ]]; then
-        # Under --emulate AVX2, LibTorch still calls oneDNN for bfloat16 and oneDNN, capped,
+      elif [[ $status -ne 0 && $emulate == avx2 ]]; then
+        # Under --emulate avx2 (only), LibTorch still calls oneDNN for bfloat16 and oneDNN, capped,
         # refuses ("could not create a primitive descriptor iterator"), where a real AVX2 CPU
         # would run LibTorch's own loops: no figure for that side rather than a wrong one.
         echo "bench: the PyTorch side ($side) of $case failed under --emulate $emulate (status $status): left out" >&2

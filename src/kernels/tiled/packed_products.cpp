@@ -41,7 +41,7 @@ inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline const float* bits_of(const float* x) { return x; }
 inline const uint16_t* bits_of(const c10::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); }
 
-// out[j] <- x[j] for j < n, bfloat16 widened (the linear layers' vector loop).
+// out[j] <- x[j] for j < n: float32 copied, bfloat16 widened (by the linear layers' vector loop).
 inline void copy_as_float(const float* x, int64_t n, float* out) {
   std::memcpy(out, x, sizeof(float) * static_cast<size_t>(n));
 }
