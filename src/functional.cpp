@@ -218,7 +218,7 @@ std::string linear_products() {
   switch (detail::bfloat16_products()) {
     case detail::Bfloat16Products::OneDnnBfloat16: return gemm.description() + " (bfloat16 autocast too)";
     case detail::Bfloat16Products::Float32:
-      return gemm.description() + " (bfloat16 autocast too, on the float32 GEMM: no bfloat16 instructions)";
+      return gemm.description() + " (bfloat16 autocast too, on qkv's float32 micro-kernels: no bfloat16 instructions)";
     case detail::Bfloat16Products::LibTorch: break;
   }
   return gemm.description();

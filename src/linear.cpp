@@ -28,7 +28,7 @@ using kernels::linear::OneDnnGemm;
 enum class GemmInputs { Float32, BFloat16 };
 
 // How bfloat16 operands are multiplied: by oneDNN's bfloat16 GEMM, or where the CPU has no bfloat16
-// instructions by its float32 GEMM, widened block by block (bfloat16_products()).
+// instructions by qkv's float32 micro-kernels, widened as they are packed (bfloat16_products()).
 kernels::linear::Bfloat16Gemm bfloat16_gemm() {
   return bfloat16_products() == Bfloat16Products::Float32 ? kernels::linear::Bfloat16Gemm::Float32
                                                            : kernels::linear::Bfloat16Gemm::OneDnn;
@@ -128,7 +128,7 @@ torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, co
              want_bias = with_bias && ctx->needs_input_grad(2);
   if (operand_type == at::kBFloat16 && bfloat16_gemm() == kernels::linear::Bfloat16Gemm::Float32 &&
       M > kernels::linear::kRowsPerSumGroup) {
-    // Widened on the float32 GEMM: each block of grad widened once for the three products. Over
+    // On the float32 route: each block of grad widened once for the three products. Over
     // fewer rows (one group of the sum) the separate products, which spread over the threads.
     const auto w = weight_operand(weight);
     auto all = kernels::linear::linear_gradients_widened(grad, x, {w.tensor, !w.rows, w.ld}, want_x,

@@ -29,8 +29,8 @@ enum class Bfloat16Products {
   /// 5, 2 threads, 2026-12-03, the lm's products: oneDNN 2.6.3's dnnl_gemm_bf16bf16f32 at 680–850
   /// GFLOP/s, LibTorch 1.13's bfloat16 matmul (oneDNN's brgemm) 1.2–1.6× slower.
   OneDnnBfloat16,
-  /// oneDNN's float32 GEMM on the operands rounded to bfloat16, widened back to float32 a block at a
-  /// time in cache (kernels::linear::Bfloat16Gemm::Float32), where the CPU has no bfloat16
+  /// qkv's float32 micro-kernels on the operands rounded to bfloat16, widened back to float32 as they
+  /// are packed, in cache (kernels::linear::Bfloat16Gemm::Float32), where the CPU has no bfloat16
   /// instructions (AVX2 or AVX-512 without AVX512_BF16: AMD Zen 2 and 3, Intel before Cooper
   /// Lake). There LibTorch's bfloat16 matmul is LibTorch's own loops on AVX2 (mkldnn's
   /// bfloat16 wants AVX-512): the lm's bf16-mixed step took 5.5 s against float32's 0.18 s on LibTorch

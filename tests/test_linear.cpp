@@ -284,8 +284,8 @@ TEST(Linear, RoundsToBfloat16AsLibTorchDoes) {
 TEST(Linear, Bfloat16RouteFollowsTheCpusInstructions) {
   // Under bfloat16 autocast the products go where the CPU (as QKV_TILED_ISA makes it look; ctest
   // reruns this file with avx2 and avx512) multiplies them fastest: with no bfloat16 instructions
-  // LibTorch 1.13's bfloat16 matmul is its own scalar loops, so the float32 GEMM takes the rounded
-  // operands; AVX512_BF16 without AMX by default (AMD): oneDNN's bfloat16 GEMM.
+  // LibTorch 1.13's bfloat16 matmul is its own scalar loops, so qkv's float32 micro-kernels take the
+  // rounded operands; AVX512_BF16 without AMX by default (AMD): oneDNN's bfloat16 GEMM.
   using qkv::detail::Bfloat16Products;
   using qkv::kernels::tiled::ProductIsa;
   if (!OneDnnGemm::instance().available()) {
@@ -298,7 +298,7 @@ TEST(Linear, Bfloat16RouteFollowsTheCpusInstructions) {
                                   << qkv::tiled_instruction_set() << ", " << qkv::linear_products());
   if (!qkv::kernels::tiled::at_least(usable, ProductIsa::Avx512Bf16)) {
     EXPECT_EQ(route, Bfloat16Products::Float32);
-    EXPECT_NE(qkv::linear_products().find("on the float32 GEMM"), std::string::npos);
+    EXPECT_NE(qkv::linear_products().find("on qkv's float32 micro-kernels"), std::string::npos);
   } else if (usable == ProductIsa::AmxBf16) {
     EXPECT_EQ(route, Bfloat16Products::LibTorch);
   } else if (qkv::kernels::tiled::active_isa() == ProductIsa::Avx512Bf16 &&
@@ -398,8 +398,9 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
   struct Shape {
     int64_t m, k, n;
   };
-  // 9 row blocks; sums over k in 3 or 5 chunks and over m in 3 groups
-  for (const auto shape : {Shape{2100, 600, 40}, Shape{2100, 1100, 1000}}) {
+  // 9 row blocks; sums over k in 3 or 5 chunks and over m in 3 groups; a k so long that a row
+  // block's widened rows (float32) would pass the kept scratch, so it is multiplied in two calls
+  for (const auto shape : {Shape{2100, 600, 40}, Shape{2100, 1100, 1000}, Shape{300, 5000, 24}}) {
     const int64_t m = shape.m, k = shape.k, n = shape.n;
     const auto a = torch::randn({m, k}).to(torch::kBFloat16), b = torch::randn({k, n}).to(torch::kBFloat16);
     auto poisoned_a = a.clone(), poisoned_b = b.clone();
@@ -411,7 +412,7 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
     const auto want = torch::matmul(a.to(torch::kDouble), b.to(torch::kDouble));
     const auto want_gradient = torch::matmul(a.to(torch::kDouble).t(), rows.to(torch::kDouble));
     for (const auto gemm : gemms) {
-      SCOPED_TRACE(testing::Message() << (gemm == Bfloat16Gemm::OneDnn ? "oneDNN's bfloat16 GEMM" : "float32 GEMM")
+      SCOPED_TRACE(testing::Message() << (gemm == Bfloat16Gemm::OneDnn ? "oneDNN's bfloat16 GEMM" : "float32 micro-kernels")
                                       << ", m " << m << ", k " << k << ", n " << n);
       // bfloat16_product: C (m × n) = A · B, rounded
       const auto poisoned =
@@ -434,7 +435,7 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
 }
 
 TEST(Linear, Bfloat16GradientsInOnePassMatchFloat64) {
-  // The float32 GEMM route's backward in one pass (linear_gradients_widened): each block of grad
+  // The float32 route's backward in one pass (linear_gradients_widened): each block of grad
   // widened once for dx = grad · W, dW = gradᵀ · x and db = its column sums, over 3 groups of rows
   // (the last cut: 2100 = 2 · 1024 + 52), every subset of the gradients asked for, W stored either
   // way, dx in float32 or rounded; each against float64 of the same bfloat16 values, after a call

@@ -3,6 +3,8 @@
 
 #include "kernels/bfloat16_bits.h"
 #include "kernels/linear/onednn_gemm.h"
+#include "kernels/tiled/cpu_features.h"
+#include "kernels/tiled/packed_products.h"
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -88,73 +90,67 @@ void add_groups(float* partial, int64_t groups, int64_t group_stride, int64_t m,
 
 const uint16_t* bits_of(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
-// The length of the sum multiplied per chunk on the float32 GEMM: a 256-row block's chunk of A and
-// a chunk of a 512-wide B take 256 KiB and 512 KiB of float32.
+// The length of the sum multiplied per chunk on the float32 route where the sum is long (a
+// weight's gradient): a 256-row chunk of grad and of x, widened, stay in L2 for its products.
 constexpr int64_t kSumChunk = 256;
-
-// rows × cols bfloat16 values (row stride ld) widened into a contiguous float32 block.
-void widen_block(const uint16_t* from, int64_t ld, int64_t rows, int64_t cols, float* into) {
-  for (int64_t r = 0; r < rows; ++r) widen_values(from + r * ld, into + r * cols, cols);
-}
 
 // Chunks of the sum per task where multiply_bfloat16 splits a long sum among the threads.
 constexpr int64_t kChunksPerGroup = kRowsPerSumGroup / kSumChunk;
 static_assert(kChunksPerGroup * kSumChunk == kRowsPerSumGroup, "a group of the sum is whole chunks");
 
-// op(B) for multiply_widened: its bfloat16 bits (row stride ld, widened chunk by chunk), or, where
-// every block of C's rows reads all of it, widened once beforehand (widen_whole; ld its row stride).
-struct RightOperand {
-  const uint16_t* bits = nullptr;
-  const float* widened = nullptr;
-  int64_t ld = 0;
-};
+using tiled::PackedRight;
+using tiled::Strided;
 
-// op(B) as stored (k × n, or n × k transposed), widened to a contiguous float32 matrix in the
-// calling thread's scratch (read by every task of the call).
-Scratch widen_whole(bool transposed, int64_t k, int64_t n, const uint16_t* b, int64_t ldb) {
-  thread_local std::vector<float> kept;
-  const int64_t rows = transposed ? n : k, cols = transposed ? k : n;
-  Scratch widened(kept, rows * cols);
-  widen_block(b, ldb, rows, cols, widened.data());
-  return widened;
+// The float32 micro-kernels of the CPU as the tiled kernel uses them (its float path: AVX-512,
+// AVX2 + FMA or plain C++).
+tiled::ProductKind float32_products() { return {tiled::active_isa(), /*bf16=*/false}; }
+
+// A stored bfloat16 matrix with row stride ld, or its transpose (transposed): element (r, c) of
+// the operand.
+Strided<c10::BFloat16> bfloat16_view(const uint16_t* bits, int64_t ld, bool transposed) {
+  const auto* values = reinterpret_cast<const c10::BFloat16*>(bits);
+  return transposed ? Strided<c10::BFloat16>{values, 1, ld} : Strided<c10::BFloat16>{values, ld, 1};
 }
 
-// multiply_bfloat16 on the float32 GEMM, on this thread (or oneDNN's, outside a parallel region):
-// the sum over k in chunks, each chunk's part of op(A) (m × chunk) and, unless it came widened, of
-// op(B) (chunk × n) widened into scratch as stored (a transposed operand stays transposed), then
-// multiplied into C.
-void multiply_widened(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const uint16_t* a,
-                      int64_t lda, const RightOperand& b, float beta, float* c, int64_t ldc) {
-  const auto& onednn = OneDnnGemm::instance();
-  const int64_t chunk_size = std::min(k, kSumChunk);
-  thread_local std::vector<float> a_kept, b_kept;
-  const Scratch a_scratch(a_kept, m * chunk_size), b_scratch(b_kept, b.widened ? 0 : chunk_size * n);
-  float *a_chunk = a_scratch.data(), *b_chunk = b_scratch.data();
+// op(B) (k × n) packed for the float32 micro-kernels, widened on the way.
+void pack_widened(bool transposed, int64_t k, int64_t n, const uint16_t* b, int64_t ldb, PackedRight& packed) {
+  packed.pack(bfloat16_view(b, ldb, transposed), k, n, float32_products());
+}
+
+// C (m × n, row stride ldc) = A (m × k bfloat16 rows, row stride lda) · B + beta · C, B packed
+// (k × n), on this thread. The tiled product widens its rows of A into scratch that its thread
+// keeps: at most kKeptScratchFloats of them per call.
+void multiply_rows(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const PackedRight& b, float beta, float* c,
+                   int64_t ldc) {
+  const int64_t rows_per_call = std::clamp<int64_t>(kKeptScratchFloats / k, 1, m);
+  for (int64_t first = 0; first < m; first += rows_per_call) {
+    tiled::multiply(bfloat16_view(a + first * lda, lda, false), std::min(rows_per_call, m - first), b, 1.0f, beta,
+                    c + first * ldc, ldc);
+  }
+}
+
+// multiply_bfloat16 on the float32 micro-kernels, on this thread: the sum over k in chunks, each
+// chunk of op(B) (chunk × n) packed, widened, and multiplied by that chunk of op(A): A's rows as
+// stored, or a transposed A's (chunk rows of m values) widened here and read through a transposed
+// view.
+void multiply_by_chunks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const uint16_t* a,
+                        int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  PackedRight packed;
+  thread_local std::vector<float> a_kept;
+  const Scratch a_scratch(a_kept, transpose_a ? std::min(k, kSumChunk) * m : 0);
   for (int64_t first = 0; first < k; first += kSumChunk) {
     const int64_t chunk = std::min(kSumChunk, k - first);
-    // op(A)[:, first:first+chunk]: rows of Aᵀ's storage (chunk × m), or a column block (m × chunk)
-    const int64_t a_ld = transpose_a ? m : chunk;
+    const float chunk_beta = first == 0 ? beta : 1.0f;
+    // op(A)[:, first:first+chunk] and op(B)[first:first+chunk, :] as stored
+    const uint16_t* a_part = transpose_a ? a + first * lda : a + first;
+    const uint16_t* b_part = transpose_b ? b + first : b + first * ldb;
+    pack_widened(transpose_b, chunk, n, b_part, ldb, packed);
     if (transpose_a) {
-      widen_block(a + first * lda, lda, chunk, m, a_chunk);
+      for (int64_t p = 0; p < chunk; ++p) widen_values(a_part + p * lda, a_scratch.data() + p * m, m);
+      tiled::multiply(Strided<float>{a_scratch.data(), 1, m}, m, packed, 1.0f, chunk_beta, c, ldc);
     } else {
-      widen_block(a + first, lda, m, chunk, a_chunk);
+      multiply_rows(a_part, lda, m, chunk, packed, chunk_beta, c, ldc);
     }
-    // op(B)[first:first+chunk, :]: a column block of Bᵀ's storage (n × chunk), or rows (chunk × n)
-    const float* b_part = nullptr;
-    int64_t b_ld = b.ld;
-    if (b.widened) {
-      b_part = transpose_b ? b.widened + first : b.widened + first * b.ld;
-    } else {
-      b_ld = transpose_b ? chunk : n;
-      if (transpose_b) {
-        widen_block(b.bits + first, b.ld, n, chunk, b_chunk);
-      } else {
-        widen_block(b.bits + first * b.ld, b.ld, chunk, n, b_chunk);
-      }
-      b_part = b_chunk;
-    }
-    onednn.multiply(transpose_a, transpose_b, m, n, chunk, a_chunk, a_ld, b_part, b_ld,
-                    first == 0 ? beta : 1.0f, c, ldc);
   }
 }
 
@@ -191,16 +187,16 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
     return;
   }
   if (at::in_parallel_region()) {  // a task of the caller's: on this thread
-    multiply_widened(transpose_a, transpose_b, m, n, k, a, lda, {b, nullptr, ldb}, beta, c, ldc);
+    multiply_by_chunks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
     return;
   }
   if (!transpose_a && m > kRowsPerTask) {  // blocks of C's rows, one task each, all reading op(B)
-    const auto widened = widen_whole(transpose_b, k, n, b, ldb);
-    const RightOperand right{nullptr, widened.data(), transpose_b ? k : n};
+    PackedRight packed;
+    pack_widened(transpose_b, k, n, b, ldb, packed);
     at::parallel_for(0, (m + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t first = task * kRowsPerTask, rows = std::min(kRowsPerTask, m - first);
-        multiply_widened(false, transpose_b, rows, n, k, a + first * lda, lda, right, beta, c + first * ldc, ldc);
+        multiply_rows(a + first * lda, lda, rows, k, packed, beta, c + first * ldc, ldc);
       }
     });
     return;
@@ -209,7 +205,7 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
   // its own, added in a fixed order (the result does not depend on the threads).
   const int64_t group = kSumChunk * kChunksPerGroup, groups = (k + group - 1) / group;
   if (groups == 1) {
-    multiply_widened(transpose_a, transpose_b, m, n, k, a, lda, {b, nullptr, ldb}, beta, c, ldc);
+    multiply_by_chunks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
     return;
   }
   thread_local std::vector<float> partial_kept;
@@ -221,8 +217,7 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
       // op(A)[:, first:] and op(B)[first:, :] as stored
       const uint16_t* a_part = transpose_a ? a + first * lda : a + first;
       const uint16_t* b_part = transpose_b ? b + first : b + first * ldb;
-      multiply_widened(transpose_a, transpose_b, m, n, length, a_part, lda, {b_part, nullptr, ldb}, 0.0f,
-                       partial + g * m * n, n);
+      multiply_by_chunks(transpose_a, transpose_b, m, n, length, a_part, lda, b_part, ldb, 0.0f, partial + g * m * n, n);
     }
   });
   add_groups(partial, groups, m * n, m, n, beta, c, ldc);
@@ -237,11 +232,9 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
   const uint16_t *a_bits = bits_of(a.tensor), *b_bits = bits_of(b.tensor);
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
-  // On the float32 GEMM every task reads all of op(b): widened once here, not per task.
-  std::vector<float> no_scratch;
-  const Scratch b_widened = gemm == Bfloat16Gemm::Float32 ? widen_whole(b.transposed, k, n, b_bits, b.ld)
-                                                          : Scratch(no_scratch, 0);
-  const RightOperand right{nullptr, b_widened.data(), b.transposed ? k : n};
+  // On the float32 route every task reads all of op(b): packed (widened) once here, not per task.
+  PackedRight packed;
+  if (gemm == Bfloat16Gemm::Float32) pack_widened(b.transposed, k, n, b_bits, b.ld, packed);
   // Inside a task oneDNN's GEMM sees it runs in a parallel region and stays on the task's thread.
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> block_kept;
@@ -254,7 +247,7 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
       }
       const float beta = bias_row ? 1.0f : 0.0f;
       if (gemm == Bfloat16Gemm::Float32) {
-        multiply_widened(false, b.transposed, rows, n, k, a_bits + first * a.ld, a.ld, right, beta, block, n);
+        multiply_rows(a_bits + first * a.ld, a.ld, rows, k, packed, beta, block, n);
       } else {
         OneDnnGemm::instance().multiply_bf16(false, b.transposed, rows, n, k, a_bits + first * a.ld, a.ld, b_bits, b.ld,
                                              beta, block, n);
@@ -279,14 +272,11 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
   const auto float32 = grad.options().dtype(at::kFloat);
   LinearGradients out;
   if (M == 0) return out;  // the callers route no empty product here
-  const auto& onednn = OneDnnGemm::instance();
   const uint16_t* grad_bits = bits_of(grad);
   const uint16_t* x_bits = want_weight ? bits_of(x) : nullptr;
-  // dx's products read all of W: widened once.
-  std::vector<float> no_scratch;
-  const Scratch w_widened = want_x ? widen_whole(weight.transposed, N, K, bits_of(weight.tensor), weight.ld)
-                                   : Scratch(no_scratch, 0);
-  const int64_t w_ld = weight.transposed ? N : K;
+  // dx's products read all of W (N × K): packed, widened, once.
+  PackedRight w_packed;
+  if (want_x) pack_widened(weight.transposed, N, K, bits_of(weight.tensor), weight.ld, w_packed);
   float* grad_x_values = nullptr;
   uint16_t* grad_x_bits = nullptr;
   if (want_x) {
@@ -304,9 +294,9 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
   const Scratch partial_scratch(partial_kept, groups * group_stride);
   float* partial = partial_scratch.data();
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> grad_kept, x_kept, block_kept;
-    const Scratch grad_block(grad_kept, kSumChunk * N), x_block(x_kept, want_weight ? kSumChunk * K : 0),
-        rounded_block(block_kept, round_grad_x ? kSumChunk * K : 0);
+    thread_local std::vector<float> grad_kept, block_kept;
+    const Scratch grad_block(grad_kept, kSumChunk * N), rounded_block(block_kept, round_grad_x ? kSumChunk * K : 0);
+    PackedRight x_packed;  // each chunk's rows of x (rows × K), widened
     for (int64_t g = begin; g < end; ++g) {
       float* grad_weight = partial + g * group_stride;
       float* grad_bias = grad_weight + (want_weight ? N * K : 0);
@@ -318,13 +308,12 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
         widen_values(grad_bits + first * N, g_rows, rows * N);
         if (want_x) {  // dx rows (rows × K) = g_rows · W
           float* target = round_grad_x ? rounded_block.data() : grad_x_values + first * K;
-          onednn.multiply(false, weight.transposed, rows, K, N, g_rows, N, w_widened.data(), w_ld, 0.0f, target, K);
+          tiled::multiply(Strided<float>{g_rows, N, 1}, rows, w_packed, 1.0f, 0.0f, target, K);
           if (round_grad_x) round_values(target, grad_x_bits + first * K, rows * K);
         }
         if (want_weight) {  // dW (N × K) += g_rowsᵀ · x rows
-          widen_values(x_bits + first * K, x_block.data(), rows * K);
-          onednn.multiply(true, false, N, K, rows, g_rows, N, x_block.data(), K, first_block ? 0.0f : 1.0f,
-                          grad_weight, K);
+          pack_widened(false, rows, K, x_bits + first * K, K, x_packed);
+          tiled::multiply(Strided<float>{g_rows, 1, N}, N, x_packed, 1.0f, first_block ? 0.0f : 1.0f, grad_weight, K);
         }
         if (want_bias) {  // db += the rows of g_rows, in order (the group's first row starts it)
           if (first_block) std::copy(g_rows, g_rows + N, grad_bias);

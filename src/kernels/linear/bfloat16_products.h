@@ -1,6 +1,18 @@
-// The linear layers' bfloat16 products (CPU autocast to bfloat16) on oneDNN's bfloat16 GEMM, or on
-// its float32 GEMM where the CPU has no bfloat16 instructions, with their float32 results rounded
-// to bfloat16 while they are still in cache. Private to qkv.
+// The linear layers' bfloat16 products (CPU autocast to bfloat16) on oneDNN's bfloat16 GEMM, or,
+// where the CPU has no bfloat16 instructions, on qkv's own float32 micro-kernels (the tiled
+// kernel's, kernels/tiled/packed_products.h) with the bfloat16 operands widened as they are packed,
+// their float32 results rounded to bfloat16 while they are still in cache. Private to qkv.
+//
+// Why qkv's micro-kernels and not oneDNN's float32 GEMM there: oneDNN's GEMM takes float32 only, so
+// each block of bfloat16 operands was widened into scratch first and then read again by the GEMM,
+// which packs it once more. The micro-kernels take B packed once per call (widened on the way) and
+// widen A's rows into a block of their own. Single products on one thread, operands in cache (AMD
+// EPYC Zen 5, 2026-12-04, 256 rows, 128 → 384): oneDNN 2.6.3's sgemm 112 GFLOP/s on AVX2 and 207
+// on AVX-512, the micro-kernels 117 and 234. The lm's linear layers under bf16-mixed (4096 rows,
+// 2 threads, a one-off harness timing detail::linear, not kept; medians of 50 calls): forward
+// 2–6% faster on AVX2, 8–13% on AVX-512 without AVX512_BF16 (both emulated), backward 1–13% and
+// 0–5%. Float32 products gained nothing from them (the lm's float32 step with its forward products
+// on the micro-kernels: 0–2% slower), so the float32 route stays on oneDNN.
 //
 // oneDNN's GEMM API writes float32. Written whole and rounded in a second pass, the lm's outputs
 // went to memory and back (4 + 4 + 2 bytes a value against 2): as slow as LibTorch's bfloat16
@@ -31,9 +43,10 @@ at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype);
 
 
 /// Which GEMM multiplies bfloat16 operands: oneDNN's bfloat16 GEMM (OneDnnGemm::multiply_bf16,
-/// which must be available), or its float32 GEMM with the operands widened to float32 a block of
-/// 256 along the sum at a time, in cache (CPUs without bfloat16 instructions: whole operands widened
-/// first cost a pass over memory each, 3.2% of the lm's bf16-mixed step there).
+/// which must be available), or qkv's float32 micro-kernels on the tiled kernel's active
+/// instruction set, B widened as it is packed and A a block of rows at a time, in cache (CPUs
+/// without bfloat16 instructions: whole operands widened first cost a pass over memory each, 3.2%
+/// of the lm's bf16-mixed step there); a long sum (a weight's gradient) 256 at a time.
 enum class Bfloat16Gemm { OneDnn, Float32 };
 
 /// C (m × n, float32, row stride ldc) = op(A) · op(B) + beta · C, A and B bfloat16 (the raw bits),
@@ -60,7 +73,7 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
 /// with a row of ones: (n).
 at::Tensor bfloat16_column_sums(Bfloat16Gemm gemm, const at::Tensor& rows);
 
-/// The rows of one group of a long sum on the float32 GEMM (a weight gradient's): one task each.
+/// The rows of one group of a long sum on the float32 route (a weight gradient's): one task each.
 constexpr int64_t kRowsPerSumGroup = 1024;
 
 /// What linear_gradients_widened computes: each gradient undefined where it was not asked for.
@@ -68,7 +81,7 @@ struct LinearGradients {
   at::Tensor grad_x, grad_weight, grad_bias;
 };
 
-/// The gradients of y = x Wᵀ + b whose products multiply bfloat16 on the float32 GEMM
+/// The gradients of y = x Wᵀ + b whose products multiply bfloat16 on the float32 route
 /// (Bfloat16Gemm::Float32), in one pass over blocks of 256 rows: each block of grad (M × N) is
 /// widened once for all three products, where the separate products widened it three times
 /// (dx = grad · W, dW = gradᵀ · x, db = the column sums of grad). grad and x (M × K) contiguous
@@ -81,7 +94,8 @@ struct LinearGradients {
 /// At the lm's shapes (4096 rows; AVX2 emulated on AMD EPYC Zen 5, 2 threads, 2026-12-03) the
 /// backward went from 5.30 to 5.05 ms (128 → 384), 7.41 to 7.11 (128 → 512) and 7.13 to 6.73
 /// (512 → 128); a later run timed both precisions in one process: bf16-mixed 4.66, 6.15, 6.55 ms
-/// against float32's 5.20, 7.13, 7.18.
+/// against float32's 5.20, 7.13, 7.18 (then on oneDNN's float32 GEMM; see the top of this file for
+/// the micro-kernels').
 LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tensor& x, const Bf16Operand& weight,
                                          bool want_x, bool round_grad_x, bool want_weight, bool want_bias);
 
