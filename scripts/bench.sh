@@ -3,12 +3,13 @@
 # device, qkv-bench (C++, Google Benchmark) and scripts/bench_pytorch.py (Python) take turns,
 # --rounds times, with the same thread count; then one table and the raw results as JSON.
 #   scripts/bench.sh [--device cpu|cuda] [--threads N] [--rounds R] [--min-time S] [--cases REGEX]
-#                    [--pytorch WHERE ...] [--malloc-defaults] [--emulate avx2|avx512] [--out FILE]
+#                    [--pytorch WHERE ... | none] [--malloc-defaults] [--emulate avx2|avx512] [--out FILE]
 # Defaults: cpu, threads = cores, 3 rounds, 0.5 s per repetition, every non-optional case (a
 # --cases REGEX includes optional ones), bench-results.json. --pytorch (repeatable): where the
 # PyTorch side runs: "host" (this machine's /usr/bin/python3, the default) or a Debian release
 # whose python3-torch runs in a chroot (scripts/test-in-debian.sh), e.g. --pytorch host
-# --pytorch trixie --pytorch sid times PyTorch 1.13, 2.6 and the newest in the same run.
+# --pytorch trixie --pytorch sid times PyTorch 1.13, 2.6 and the newest in the same run; --pytorch
+# none times qkv alone (its bfloat16 cases against its float32 ones, the second table).
 # Both sides run with qkv-train's malloc setting (below); --malloc-defaults runs both at glibc's.
 # --emulate: both sides on this CPU made to look like one without bfloat16 instructions
 # (scripts/bench_env.sh), for bfloat16 cases against float32 on such CPUs.
@@ -27,11 +28,15 @@ while [[ $# -gt 0 ]]; do
     --out) out=$2; shift 2 ;;
     --malloc-defaults) malloc_defaults=true; shift ;;
     --emulate) emulate=$2; shift 2 ;;
-    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
     *) echo "bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 [[ ${#pytorch_sides[@]} -gt 0 ]] || pytorch_sides=(host)
+if [[ " ${pytorch_sides[*]} " == *" none "* ]]; then
+  [[ ${#pytorch_sides[@]} -eq 1 ]] || { echo "bench.sh: --pytorch none goes alone, got: ${pytorch_sides[*]}" >&2; exit 2; }
+  pytorch_sides=()
+fi
 build_dir=${QKV_BUILD_DIR:-$root/build}
 [[ -n "${QKV_SKIP_BUILD:-}" ]] || "$root/scripts/build.sh" qkv-bench > /dev/null
 bench="$build_dir/apps/qkv-bench"
@@ -71,13 +76,13 @@ run_pytorch() {
   fi
 }
 
-echo "bench: ${#cases[@]} $device cases, $rounds rounds, $threads threads, PyTorch: ${pytorch_sides[*]}" >&2
+echo "bench: ${#cases[@]} $device cases, $rounds rounds, $threads threads, PyTorch: ${pytorch_sides[*]:-none}" >&2
 for round in $(seq 1 "$rounds"); do
   for case in "${cases[@]}"; do
     echo "bench: round $round/$rounds: $case" >&2
     "$bench" --device "$device" --threads "$threads" --benchmark_filter="^${case}(/|\$)" \
       --benchmark_min_time="$min_time_flag" --benchmark_format=json > "$raw/qkv-$case-$round.json"
-    for side in "${pytorch_sides[@]}"; do
+    for side in ${pytorch_sides[@]+"${pytorch_sides[@]}"}; do
       # Exit status 3: that torch has no implementation of the case (PyTorch 1.13: no SDPA, so no
       # causal or bfloat16 attention); the table shows none for it.
       status=0

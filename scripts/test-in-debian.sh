@@ -44,6 +44,12 @@ fi
 
 chroot_dir=${QKV_CHROOT_ROOT:-/var/cache/qkv-chroots}/$release
 if [[ ! -x "$chroot_dir/usr/bin/apt-get" ]]; then
+  # A name debootstrap does not know (a typo, or another script's option passed through) is
+  # refused before anything is made.
+  if [[ ! "$release" =~ ^[a-z][a-z0-9-]*$ || ! -e /usr/share/debootstrap/scripts/$release ]]; then
+    echo "test-in-debian: expected a Debian release debootstrap knows (trixie, sid, ...), got '$release'" >&2
+    exit 2
+  fi
   echo "test-in-debian: creating a minimal Debian $release in $chroot_dir from $mirror"
   "${sudo[@]}" rm -rf "$chroot_dir"
   "${sudo[@]}" mkdir -p "$chroot_dir"

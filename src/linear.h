@@ -30,7 +30,8 @@ enum class Bfloat16Products {
   /// GFLOP/s, LibTorch 1.13's bfloat16 matmul (oneDNN's brgemm) 1.2–1.6× slower.
   OneDnnBfloat16,
   /// qkv's float32 micro-kernels on the operands rounded to bfloat16, widened back to float32 as they
-  /// are packed, in cache (kernels::linear::Bfloat16Gemm::Float32), where the CPU has no bfloat16
+  /// are packed, in cache (kernels::linear::Bfloat16Gemm::Float32; oneDNN's float32 GEMM where the
+  /// micro-kernels are plain C++), where the CPU has no bfloat16
   /// instructions (AVX2 or AVX-512 without AVX512_BF16: AMD Zen 2 and 3, Intel before Cooper
   /// Lake). There LibTorch's bfloat16 matmul is LibTorch's own loops on AVX2 (mkldnn's
   /// bfloat16 wants AVX-512): the lm's bf16-mixed step took 5.5 s against float32's 0.18 s on LibTorch

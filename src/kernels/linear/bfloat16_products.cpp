@@ -101,10 +101,6 @@ static_assert(kChunksPerGroup * kSumChunk == kRowsPerSumGroup, "a group of the s
 using tiled::PackedRight;
 using tiled::Strided;
 
-// The float32 micro-kernels of the CPU as the tiled kernel uses them (its float path: AVX-512,
-// AVX2 + FMA or plain C++).
-tiled::ProductKind float32_products() { return {tiled::active_isa(), /*bf16=*/false}; }
-
 // A stored bfloat16 matrix with row stride ld, or its transpose (transposed): element (r, c) of
 // the operand.
 Strided<c10::BFloat16> bfloat16_view(const uint16_t* bits, int64_t ld, bool transposed) {
@@ -112,30 +108,70 @@ Strided<c10::BFloat16> bfloat16_view(const uint16_t* bits, int64_t ld, bool tran
   return transposed ? Strided<c10::BFloat16>{values, 1, ld} : Strided<c10::BFloat16>{values, ld, 1};
 }
 
-// op(B) (k × n) packed for the float32 micro-kernels, widened on the way.
-void pack_widened(bool transposed, int64_t k, int64_t n, const uint16_t* b, int64_t ldb, PackedRight& packed) {
-  packed.pack(bfloat16_view(b, ldb, transposed), k, n, float32_products());
-}
+// The right operand op(B) (k × n, bfloat16) of float32 products, made ready once and multiplied
+// by any number of left operands: packed, widened on the way, for qkv's float32 micro-kernels
+// where the tiled kernel's instruction set has them in vectors (AVX2 + FMA, AVX-512); else (plain
+// C++: another architecture, or an x86 CPU without AVX2, where the micro-kernels ran at 5 GFLOP/s
+// against oneDNN's 205 on AMD EPYC Zen 5) widened to a float32 matrix for oneDNN's float32 GEMM.
+class Float32Right {
+ public:
+  Float32Right() : micro_kernels_(tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) {}
 
-// C (m × n, row stride ldc) = A (m × k bfloat16 rows, row stride lda) · B + beta · C, B packed
-// (k × n), on this thread. The tiled product widens its rows of A into scratch that its thread
-// keeps: at most kKeptScratchFloats of them per call.
-void multiply_rows(const uint16_t* a, int64_t lda, int64_t m, int64_t k, const PackedRight& b, float beta, float* c,
-                   int64_t ldc) {
-  const int64_t rows_per_call = std::clamp<int64_t>(kKeptScratchFloats / k, 1, m);
-  for (int64_t first = 0; first < m; first += rows_per_call) {
-    tiled::multiply(bfloat16_view(a + first * lda, lda, false), std::min(rows_per_call, m - first), b, 1.0f, beta,
-                    c + first * ldc, ldc);
+  void prepare(bool transposed, int64_t k, int64_t n, const uint16_t* b, int64_t ldb) {
+    k_ = k, n_ = n, transposed_ = transposed;
+    if (micro_kernels_) {
+      packed_.pack(bfloat16_view(b, ldb, transposed), k, n, {tiled::active_isa(), /*bf16=*/false});
+      return;
+    }
+    const int64_t rows = transposed ? n : k, cols = transposed ? k : n;  // as stored
+    widened_.resize(static_cast<size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) widen_values(b + r * ldb, widened_.data() + r * cols, cols);
   }
-}
 
-// multiply_bfloat16 on the float32 micro-kernels, on this thread: the sum over k in chunks, each
-// chunk of op(B) (chunk × n) packed, widened, and multiplied by that chunk of op(A): A's rows as
-// stored, or a transposed A's (chunk rows of m values) widened here and read through a transposed
-// view.
+  // C (m × n, row stride ldc) = A · op(B) + beta · C, A float32 (m × k) stored by rows
+  // (col_stride 1) or transposed (row_stride 1); beta 0 never reads C.
+  void multiply(Strided<float> a, int64_t m, float beta, float* c, int64_t ldc) const {
+    if (micro_kernels_) {
+      tiled::multiply(a, m, packed_, 1.0f, beta, c, ldc);
+      return;
+    }
+    const bool transpose_a = a.col_stride != 1;
+    OneDnnGemm::instance().multiply(transpose_a, transposed_, m, n_, k_, a.data,
+                                    transpose_a ? a.col_stride : a.row_stride, widened_.data(),
+                                    transposed_ ? k_ : n_, beta, c, ldc);
+  }
+
+  // The same with A bfloat16 rows (row stride lda), on this thread, widened at most
+  // kKeptScratchFloats at a time (the micro-kernels widen them into scratch their thread keeps).
+  void multiply_rows(const uint16_t* a, int64_t lda, int64_t m, float beta, float* c, int64_t ldc) const {
+    const int64_t rows_per_call = std::clamp<int64_t>(kKeptScratchFloats / k_, 1, m);
+    thread_local std::vector<float> kept;
+    const Scratch widened(kept, micro_kernels_ ? 0 : std::min(rows_per_call, m) * k_);
+    for (int64_t first = 0; first < m; first += rows_per_call) {
+      const int64_t rows = std::min(rows_per_call, m - first);
+      if (micro_kernels_) {
+        tiled::multiply(bfloat16_view(a + first * lda, lda, false), rows, packed_, 1.0f, beta, c + first * ldc, ldc);
+        continue;
+      }
+      for (int64_t r = 0; r < rows; ++r) widen_values(a + (first + r) * lda, widened.data() + r * k_, k_);
+      multiply(Strided<float>{widened.data(), k_, 1}, rows, beta, c + first * ldc, ldc);
+    }
+  }
+
+ private:
+  bool micro_kernels_;
+  int64_t k_ = 0, n_ = 0;
+  bool transposed_ = false;
+  PackedRight packed_;
+  std::vector<float> widened_;
+};
+
+// multiply_bfloat16 with float32 products, on this thread: the sum over k in chunks, each chunk of
+// op(B) (chunk × n) made ready and multiplied by that chunk of op(A): A's rows as stored, or a
+// transposed A's (chunk rows of m values) widened here and read through a transposed view.
 void multiply_by_chunks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const uint16_t* a,
                         int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  PackedRight packed;
+  Float32Right right;
   thread_local std::vector<float> a_kept;
   const Scratch a_scratch(a_kept, transpose_a ? std::min(k, kSumChunk) * m : 0);
   for (int64_t first = 0; first < k; first += kSumChunk) {
@@ -144,12 +180,12 @@ void multiply_by_chunks(bool transpose_a, bool transpose_b, int64_t m, int64_t n
     // op(A)[:, first:first+chunk] and op(B)[first:first+chunk, :] as stored
     const uint16_t* a_part = transpose_a ? a + first * lda : a + first;
     const uint16_t* b_part = transpose_b ? b + first : b + first * ldb;
-    pack_widened(transpose_b, chunk, n, b_part, ldb, packed);
+    right.prepare(transpose_b, chunk, n, b_part, ldb);
     if (transpose_a) {
       for (int64_t p = 0; p < chunk; ++p) widen_values(a_part + p * lda, a_scratch.data() + p * m, m);
-      tiled::multiply(Strided<float>{a_scratch.data(), 1, m}, m, packed, 1.0f, chunk_beta, c, ldc);
+      right.multiply(Strided<float>{a_scratch.data(), 1, m}, m, chunk_beta, c, ldc);
     } else {
-      multiply_rows(a_part, lda, m, chunk, packed, chunk_beta, c, ldc);
+      right.multiply_rows(a_part, lda, m, chunk_beta, c, ldc);
     }
   }
 }
@@ -191,12 +227,12 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
     return;
   }
   if (!transpose_a && m > kRowsPerTask) {  // blocks of C's rows, one task each, all reading op(B)
-    PackedRight packed;
-    pack_widened(transpose_b, k, n, b, ldb, packed);
+    Float32Right right;
+    right.prepare(transpose_b, k, n, b, ldb);
     at::parallel_for(0, (m + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t first = task * kRowsPerTask, rows = std::min(kRowsPerTask, m - first);
-        multiply_rows(a + first * lda, lda, rows, k, packed, beta, c + first * ldc, ldc);
+        right.multiply_rows(a + first * lda, lda, rows, beta, c + first * ldc, ldc);
       }
     });
     return;
@@ -233,8 +269,8 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
   // On the float32 route every task reads all of op(b): packed (widened) once here, not per task.
-  PackedRight packed;
-  if (gemm == Bfloat16Gemm::Float32) pack_widened(b.transposed, k, n, b_bits, b.ld, packed);
+  Float32Right right;
+  if (gemm == Bfloat16Gemm::Float32) right.prepare(b.transposed, k, n, b_bits, b.ld);
   // Inside a task oneDNN's GEMM sees it runs in a parallel region and stays on the task's thread.
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> block_kept;
@@ -247,7 +283,7 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
       }
       const float beta = bias_row ? 1.0f : 0.0f;
       if (gemm == Bfloat16Gemm::Float32) {
-        multiply_rows(a_bits + first * a.ld, a.ld, rows, k, packed, beta, block, n);
+        right.multiply_rows(a_bits + first * a.ld, a.ld, rows, beta, block, n);
       } else {
         OneDnnGemm::instance().multiply_bf16(false, b.transposed, rows, n, k, a_bits + first * a.ld, a.ld, b_bits, b.ld,
                                              beta, block, n);
@@ -275,8 +311,8 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
   const uint16_t* grad_bits = bits_of(grad);
   const uint16_t* x_bits = want_weight ? bits_of(x) : nullptr;
   // dx's products read all of W (N × K): packed, widened, once.
-  PackedRight w_packed;
-  if (want_x) pack_widened(weight.transposed, N, K, bits_of(weight.tensor), weight.ld, w_packed);
+  Float32Right w_right;
+  if (want_x) w_right.prepare(weight.transposed, N, K, bits_of(weight.tensor), weight.ld);
   float* grad_x_values = nullptr;
   uint16_t* grad_x_bits = nullptr;
   if (want_x) {
@@ -296,7 +332,7 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> grad_kept, block_kept;
     const Scratch grad_block(grad_kept, kSumChunk * N), rounded_block(block_kept, round_grad_x ? kSumChunk * K : 0);
-    PackedRight x_packed;  // each chunk's rows of x (rows × K), widened
+    Float32Right x_right;  // each chunk's rows of x (rows × K)
     for (int64_t g = begin; g < end; ++g) {
       float* grad_weight = partial + g * group_stride;
       float* grad_bias = grad_weight + (want_weight ? N * K : 0);
@@ -308,12 +344,12 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
         widen_values(grad_bits + first * N, g_rows, rows * N);
         if (want_x) {  // dx rows (rows × K) = g_rows · W
           float* target = round_grad_x ? rounded_block.data() : grad_x_values + first * K;
-          tiled::multiply(Strided<float>{g_rows, N, 1}, rows, w_packed, 1.0f, 0.0f, target, K);
+          w_right.multiply(Strided<float>{g_rows, N, 1}, rows, 0.0f, target, K);
           if (round_grad_x) round_values(target, grad_x_bits + first * K, rows * K);
         }
         if (want_weight) {  // dW (N × K) += g_rowsᵀ · x rows
-          pack_widened(false, rows, K, x_bits + first * K, K, x_packed);
-          tiled::multiply(Strided<float>{g_rows, 1, N}, N, x_packed, 1.0f, first_block ? 0.0f : 1.0f, grad_weight, K);
+          x_right.prepare(false, rows, K, x_bits + first * K, K);
+          x_right.multiply(Strided<float>{g_rows, 1, N}, N, first_block ? 0.0f : 1.0f, grad_weight, K);
         }
         if (want_bias) {  // db += the rows of g_rows, in order (the group's first row starts it)
           if (first_block) std::copy(g_rows, g_rows + N, grad_bias);

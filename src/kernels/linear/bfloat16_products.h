@@ -1,6 +1,7 @@
 // The linear layers' bfloat16 products (CPU autocast to bfloat16) on oneDNN's bfloat16 GEMM, or,
 // where the CPU has no bfloat16 instructions, on qkv's own float32 micro-kernels (the tiled
-// kernel's, kernels/tiled/packed_products.h) with the bfloat16 operands widened as they are packed,
+// kernel's, kernels/tiled/packed_products.h) with the bfloat16 operands widened as they are packed
+// (where those kernels are plain C++, on oneDNN's float32 GEMM with the operands widened first),
 // their float32 results rounded to bfloat16 while they are still in cache. Private to qkv.
 //
 // Why qkv's micro-kernels and not oneDNN's float32 GEMM there: oneDNN's GEMM takes float32 only, so
@@ -43,8 +44,9 @@ at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype);
 
 
 /// Which GEMM multiplies bfloat16 operands: oneDNN's bfloat16 GEMM (OneDnnGemm::multiply_bf16,
-/// which must be available), or qkv's float32 micro-kernels on the tiled kernel's active
-/// instruction set, B widened as it is packed and A a block of rows at a time, in cache (CPUs
+/// which must be available), or float32 products: qkv's float32 micro-kernels on the tiled kernel's
+/// active instruction set, B widened as it is packed and A a block of rows at a time, in cache
+/// (oneDNN's float32 GEMM on widened blocks where that instruction set is portable) (CPUs
 /// without bfloat16 instructions: whole operands widened first cost a pass over memory each, 3.2%
 /// of the lm's bf16-mixed step there); a long sum (a weight's gradient) 256 at a time.
 enum class Bfloat16Gemm { OneDnn, Float32 };
