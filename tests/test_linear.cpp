@@ -399,7 +399,8 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
     int64_t m, k, n;
   };
   // 9 row blocks; sums over k in 3 or 5 chunks and over m in 3 groups; a k so long that a row
-  // block's widened rows (float32) would pass the kept scratch, so it is multiplied in two calls
+  // block's widened rows (float32) would pass the scratch a thread keeps, so the micro-kernels
+  // widen and multiply it in two passes
   for (const auto shape : {Shape{2100, 600, 40}, Shape{2100, 1100, 1000}, Shape{300, 5000, 24}}) {
     const int64_t m = shape.m, k = shape.k, n = shape.n;
     const auto a = torch::randn({m, k}).to(torch::kBFloat16), b = torch::randn({k, n}).to(torch::kBFloat16);

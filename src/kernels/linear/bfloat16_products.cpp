@@ -94,6 +94,11 @@ const uint16_t* bits_of(const at::Tensor& t) { return reinterpret_cast<const uin
 // weight's gradient): a 256-row chunk of grad and of x, widened, stay in L2 for its products.
 constexpr int64_t kSumChunk = 256;
 
+// rows × cols bfloat16 values (row stride ld) widened into a contiguous float32 block.
+void widen_block(const uint16_t* from, int64_t ld, int64_t rows, int64_t cols, float* into) {
+  for (int64_t r = 0; r < rows; ++r) widen_values(from + r * ld, into + r * cols, cols);
+}
+
 // Chunks of the sum per task where multiply_bfloat16 splits a long sum among the threads.
 constexpr int64_t kChunksPerGroup = kRowsPerSumGroup / kSumChunk;
 static_assert(kChunksPerGroup * kSumChunk == kRowsPerSumGroup, "a group of the sum is whole chunks");
@@ -125,7 +130,7 @@ class Float32Right {
     }
     const int64_t rows = transposed ? n : k, cols = transposed ? k : n;  // as stored
     widened_.resize(static_cast<size_t>(rows * cols));
-    for (int64_t r = 0; r < rows; ++r) widen_values(b + r * ldb, widened_.data() + r * cols, cols);
+    widen_block(b, ldb, rows, cols, widened_.data());
   }
 
   // C (m × n, row stride ldc) = A · op(B) + beta · C, A float32 (m × k) stored by rows
@@ -141,21 +146,17 @@ class Float32Right {
                                     transposed_ ? k_ : n_, beta, c, ldc);
   }
 
-  // The same with A bfloat16 rows (row stride lda), on this thread, widened at most
-  // kKeptScratchFloats at a time (the micro-kernels widen them into scratch their thread keeps).
+  // The same with A bfloat16 rows (row stride lda), on this thread: the micro-kernels widen them
+  // themselves, a block of rows at a time.
   void multiply_rows(const uint16_t* a, int64_t lda, int64_t m, float beta, float* c, int64_t ldc) const {
-    const int64_t rows_per_call = std::clamp<int64_t>(kKeptScratchFloats / k_, 1, m);
-    thread_local std::vector<float> kept;
-    const Scratch widened(kept, micro_kernels_ ? 0 : std::min(rows_per_call, m) * k_);
-    for (int64_t first = 0; first < m; first += rows_per_call) {
-      const int64_t rows = std::min(rows_per_call, m - first);
-      if (micro_kernels_) {
-        tiled::multiply(bfloat16_view(a + first * lda, lda, false), rows, packed_, 1.0f, beta, c + first * ldc, ldc);
-        continue;
-      }
-      for (int64_t r = 0; r < rows; ++r) widen_values(a + (first + r) * lda, widened.data() + r * k_, k_);
-      multiply(Strided<float>{widened.data(), k_, 1}, rows, beta, c + first * ldc, ldc);
+    if (micro_kernels_) {
+      tiled::multiply(bfloat16_view(a, lda, false), m, packed_, 1.0f, beta, c, ldc);
+      return;
     }
+    thread_local std::vector<float> kept;
+    const Scratch widened(kept, m * k_);
+    widen_block(a, lda, m, k_, widened.data());
+    multiply(Strided<float>{widened.data(), k_, 1}, m, beta, c, ldc);
   }
 
  private:
@@ -182,7 +183,7 @@ void multiply_by_chunks(bool transpose_a, bool transpose_b, int64_t m, int64_t n
     const uint16_t* b_part = transpose_b ? b + first : b + first * ldb;
     right.prepare(transpose_b, chunk, n, b_part, ldb);
     if (transpose_a) {
-      for (int64_t p = 0; p < chunk; ++p) widen_values(a_part + p * lda, a_scratch.data() + p * m, m);
+      widen_block(a_part, lda, chunk, m, a_scratch.data());
       right.multiply(Strided<float>{a_scratch.data(), 1, m}, m, chunk_beta, c, ldc);
     } else {
       right.multiply_rows(a_part, lda, m, chunk_beta, c, ldc);

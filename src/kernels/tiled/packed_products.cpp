@@ -337,6 +337,9 @@ Pairs pairs_of(Strided<T> a, int64_t m, int64_t k, AlignedVector<uint16_t>& scra
   return {scratch.data(), pairs * 2, 2};
 }
 
+// The most float32 values a thread keeps for bfloat16 rows of A widened on a float32 path (4 MiB).
+constexpr int64_t kWidenedFloatsKept = int64_t{1} << 20;
+
 template <typename T>
 void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc,
                   Leading part) {
@@ -366,18 +369,24 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
   }
   if constexpr (std::is_same_v<T, float>) {
     multiply_float(a.data, a.row_stride, a.col_stride, m, b, k, n, alpha, beta, c, ldc);
-  } else {  // bfloat16 values on a float32 path: widened once
+  } else {  // bfloat16 values on a float32 path: each row widened once, into scratch the thread
+    // keeps, so at most kWidenedFloatsKept at a time (the linear layers' row blocks pass it for a
+    // long k; the attention's blocks never do)
+    const int64_t rows_per_pass = std::clamp<int64_t>(kWidenedFloatsKept / k, 1, m);
     thread_local AlignedVector<float> scratch;
-    scratch.resize(static_cast<size_t>(m * k));
-    for (int64_t r = 0; r < m; ++r) {
-      const c10::BFloat16* row = a.data + r * a.row_stride;
-      if (a.col_stride == 1) {
-        copy_as_float(row, k, scratch.data() + r * k);
-      } else {
-        for (int64_t p = 0; p < k; ++p) scratch[r * k + p] = as_float(row[p * a.col_stride]);
+    scratch.resize(static_cast<size_t>(rows_per_pass * k));
+    for (int64_t first = 0; first < m; first += rows_per_pass) {
+      const int64_t rows = std::min(rows_per_pass, m - first);
+      for (int64_t r = 0; r < rows; ++r) {
+        const c10::BFloat16* row = a.data + (first + r) * a.row_stride;
+        if (a.col_stride == 1) {
+          copy_as_float(row, k, scratch.data() + r * k);
+        } else {
+          for (int64_t p = 0; p < k; ++p) scratch[r * k + p] = as_float(row[p * a.col_stride]);
+        }
       }
+      multiply_float(scratch.data(), k, 1, rows, b, k, n, alpha, beta, c + first * ldc, ldc);
     }
-    multiply_float(scratch.data(), k, 1, m, b, k, n, alpha, beta, c, ldc);
   }
 }
 
