@@ -214,10 +214,12 @@ std::string blas_core() { return kernels::tiled::blas_core(); }
 
 std::string linear_products() {
   const auto& gemm = kernels::linear::OneDnnGemm::instance();
-  if (!gemm.available()) return gemm.description();
   switch (detail::bfloat16_products()) {
     case detail::Bfloat16Products::OneDnnBfloat16: return gemm.description() + " (bfloat16 autocast too)";
     case detail::Bfloat16Products::Float32:
+      if (!gemm.available()) {
+        return gemm.description() + "; bfloat16 autocast on qkv's float32 micro-kernels (no bfloat16 instructions)";
+      }
       return gemm.description() + " (bfloat16 autocast too, on qkv's float32 micro-kernels: no bfloat16 instructions)";
     case detail::Bfloat16Products::LibTorch: break;
   }

@@ -1,4 +1,5 @@
-// Linear layers on oneDNN's GEMM where the process has it (see linear.h).
+// Linear layers on oneDNN's GEMM where the process has it, bfloat16 autocast's also on qkv's own
+// micro-kernels (see linear.h).
 //
 // M = rows of the input (all leading dimensions), K = in features, N = out features.
 #include "linear.h"
@@ -20,11 +21,11 @@ using kernels::tiled::ProductIsa;
 
 namespace {
 
+using kernels::linear::LinearGemmChoice;
 using kernels::linear::OneDnnGemm;
 
-// Which of oneDNN's GEMMs a product takes: float32 operands, or operands rounded to bfloat16
-// (CPU autocast to bfloat16; bfloat16_gemm() says how they are multiplied); both accumulate and
-// write float32.
+// Which GEMM a product takes: oneDNN's float32 one, or operands rounded to bfloat16 (CPU autocast
+// to bfloat16; bfloat16_gemm() says how they are multiplied); both accumulate and write float32.
 enum class GemmInputs { Float32, BFloat16 };
 
 // How bfloat16 operands are multiplied: by oneDNN's bfloat16 GEMM, or where the CPU has no bfloat16
@@ -54,8 +55,8 @@ at::Tensor gemm_operand(const at::Tensor& t, GemmInputs inputs) {
   return inputs == GemmInputs::BFloat16 ? kernels::linear::float32_to(t, at::kBFloat16) : t;
 }
 
-// c (float32, row-major, row stride ldc) = op(a) · op(b) + beta · c on oneDNN, a and b both
-// float32 or both bfloat16 (see OneDnnGemm::multiply).
+// c (float32, row-major, row stride ldc) = op(a) · op(b) + beta · c, a and b both float32 (on
+// oneDNN) or both bfloat16 (on bfloat16_gemm()); see OneDnnGemm::multiply.
 void product(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const at::Tensor& a, int64_t lda,
              const at::Tensor& b, int64_t ldb, float beta, at::Tensor& c, int64_t ldc) {
   const auto& gemm = OneDnnGemm::instance();
@@ -81,9 +82,9 @@ at::Tensor onednn_linear_forward(const at::Tensor& x, const at::Tensor& weight, 
   return y;
 }
 
-// The forward of both functions below: saves what the backward needs, returns (M × N) in float32,
+// The forward of both functions below (float32 on oneDNN, bfloat16 on bfloat16_gemm()): saves what the backward needs, returns (M × N) in float32,
 // or in bfloat16 when the operands were rounded to it (autocast's type for a linear layer's output).
-at::Tensor forward_on_onednn(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+at::Tensor forward_on_gemm(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                              const at::Tensor& bias, GemmInputs inputs) {
   const auto x_operand = gemm_operand(x, inputs), w_operand = gemm_operand(weight, inputs);
   // The operands for the backward's products; the inputs themselves (the same tensors in float32)
@@ -100,7 +101,7 @@ at::Tensor forward_on_onednn(torch::autograd::AutogradContext* ctx, const at::Te
                                           bias);
 }
 
-// The autograd of y = x Wᵀ (+ b) on oneDNN; x (M × K) contiguous, weight (N × K), bias (N).
+// The autograd of y = x Wᵀ (+ b) on the route's GEMM; x (M × K) contiguous, weight (N × K), bias (N).
 // LibTorch's Function takes no undefined tensor, so the bias comes in only where there is one.
 // The gradients of x, the weight and (with_bias) the bias, each in its input's type; the products
 // in the forward's GEMM (bfloat16 operands give float32 gradients, rounded only if the input was
@@ -163,10 +164,10 @@ torch::autograd::tensor_list gradients(torch::autograd::AutogradContext* ctx, co
   return {grad_x, grad_weight, grad_bias};
 }
 
-struct OneDnnLinear : torch::autograd::Function<OneDnnLinear> {
+struct GemmLinear : torch::autograd::Function<GemmLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, GemmInputs inputs) {
-    return forward_on_onednn(ctx, x, weight, bias, inputs);  // (M × N)
+    return forward_on_gemm(ctx, x, weight, bias, inputs);  // (M × N)
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
@@ -175,10 +176,10 @@ struct OneDnnLinear : torch::autograd::Function<OneDnnLinear> {
   }
 };
 
-struct OneDnnLinearWithoutBias : torch::autograd::Function<OneDnnLinearWithoutBias> {
+struct GemmLinearWithoutBias : torch::autograd::Function<GemmLinearWithoutBias> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             GemmInputs inputs) {
-    return forward_on_onednn(ctx, x, weight, at::Tensor(), inputs);  // (M × N)
+    return forward_on_gemm(ctx, x, weight, at::Tensor(), inputs);  // (M × N)
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
@@ -193,19 +194,19 @@ bool cpu_tensor_of(const at::Tensor& t, bool bfloat16_too) {
          (t.scalar_type() == at::kFloat || (bfloat16_too && t.scalar_type() == at::kBFloat16));
 }
 
-// The contract of the oneDNN route, checked here once: which GEMM takes the product, if any;
+// The contract of the GEMM route, checked here once: which GEMM takes the product, if any;
 // anything else goes to LibTorch, which also gives mismatched shapes their error.
-std::optional<GemmInputs> onednn_route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  const auto& gemm = OneDnnGemm::instance();
-  if (!gemm.available()) return std::nullopt;
+std::optional<GemmInputs> gemm_route(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (!x.defined() || !weight.defined() || x.dim() < 2 || weight.dim() != 2) return std::nullopt;
   // Under autocast LibTorch's at::linear computes in autocast's type: bfloat16 comes here unless
   // LibTorch's own bfloat16 products are the faster (bfloat16_products()), anything else stays.
+  // Float32 comes here where the process has oneDNN.
   const bool autocast = compat::autocast_enabled(at::kCPU);
   const auto products = autocast ? bfloat16_products() : Bfloat16Products::LibTorch;
   if (autocast && (compat::autocast_dtype(at::kCPU) != at::kBFloat16 || products == Bfloat16Products::LibTorch)) {
     return std::nullopt;
   }
+  if (!autocast && !OneDnnGemm::instance().available()) return std::nullopt;
   if (!cpu_tensor_of(x, autocast) || !cpu_tensor_of(weight, autocast)) return std::nullopt;
   if (bias.defined() && (!cpu_tensor_of(bias, autocast) || bias.dim() != 1 || bias.size(0) != weight.size(0))) {
     return std::nullopt;
@@ -224,7 +225,7 @@ std::optional<GemmInputs> onednn_route(const at::Tensor& x, const at::Tensor& we
   return autocast ? GemmInputs::BFloat16 : GemmInputs::Float32;
 }
 
-// LibTorch's route alone: what linear() does with an input that the oneDNN route does not take.
+// LibTorch's route alone: what linear() does with an input that the GEMM route does not take.
 at::Tensor linear_by_libtorch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (bias.defined() && x.dim() >= 3 && x.is_contiguous() && weight.dim() == 2 && bias.dim() == 1) {
     auto sizes = x.sizes().vec();
@@ -238,11 +239,15 @@ at::Tensor linear_by_libtorch(const at::Tensor& x, const at::Tensor& weight, con
 
 Bfloat16Products bfloat16_products() {
   static const Bfloat16Products chosen = [] {
+    if (kernels::linear::linear_gemm_choice() == LinearGemmChoice::LibTorch) return Bfloat16Products::LibTorch;
     const auto& gemm = OneDnnGemm::instance();
-    if (!gemm.available()) return Bfloat16Products::LibTorch;
     // The CPU as qkv sees it (QKV_TILED_ISA makes it look narrower, for tests and measurements).
     const ProductIsa usable = kernels::tiled::usable_isa();
-    if (!at_least(usable, ProductIsa::Avx512Bf16)) return Bfloat16Products::Float32;
+    if (!at_least(usable, ProductIsa::Avx512Bf16)) {
+      // qkv's vector micro-kernels need no oneDNN; its plain C++ ones are too slow to use alone.
+      return kernels::linear::float32_products_on_micro_kernels() || gemm.available() ? Bfloat16Products::Float32
+                                                                                       : Bfloat16Products::LibTorch;
+    }
     if (usable == ProductIsa::Avx512Bf16 && kernels::tiled::active_isa() == ProductIsa::Avx512Bf16 &&
         gemm.bfloat16_available()) {
       return Bfloat16Products::OneDnnBfloat16;
@@ -253,14 +258,14 @@ Bfloat16Products bfloat16_products() {
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  const auto inputs = onednn_route(x, weight, bias);
+  const auto inputs = gemm_route(x, weight, bias);
   if (!inputs) return linear_by_libtorch(x, weight, bias);
   const int64_t K = x.size(-1);
   auto sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
   const auto rows = x.contiguous().view({-1, K});  // (M × K)
-  const auto y = bias.defined() ? OneDnnLinear::apply(rows, weight, bias, *inputs)
-                                : OneDnnLinearWithoutBias::apply(rows, weight, *inputs);  // (M × N)
+  const auto y = bias.defined() ? GemmLinear::apply(rows, weight, bias, *inputs)
+                                : GemmLinearWithoutBias::apply(rows, weight, *inputs);  // (M × N)
   return y.view(sizes);
 }
 

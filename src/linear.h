@@ -17,8 +17,8 @@ constexpr int64_t kOneDnnFromRows = 4;
 
 /// Which GEMM multiplies a linear layer's operands under CPU autocast to bfloat16 (operands rounded
 /// to bfloat16, sums in float32, the output in bfloat16), by the CPU's instructions as
-/// kernels::tiled::usable_isa() reports them, where the process has oneDNN (else LibTorch), for
-/// products of at least kOneDnnFromMultiplyAdds as in float32 (all sizes on the Float32 route):
+/// kernels::tiled::usable_isa() reports them, for products of at least kOneDnnFromMultiplyAdds as
+/// in float32 (all sizes on the Float32 route); LibTorch's everywhere with QKV_LINEAR_GEMM=libtorch:
 enum class Bfloat16Products {
   /// LibTorch's bfloat16 matmul (oneDNN's primitives). With AMX they multiply on the tiles, which
   /// oneDNN's GEMM API does not; on an Intel CPU with AVX512_BF16 but no AMX, vdpbf16ps multiplies
@@ -31,9 +31,10 @@ enum class Bfloat16Products {
   OneDnnBfloat16,
   /// qkv's float32 micro-kernels on the operands rounded to bfloat16, widened back to float32 as they
   /// are packed, in cache (kernels::linear::Bfloat16Gemm::Float32; oneDNN's float32 GEMM where the
-  /// micro-kernels are plain C++), where the CPU has no bfloat16
-  /// instructions (AVX2 or AVX-512 without AVX512_BF16: AMD Zen 2 and 3, Intel before Cooper
-  /// Lake). There LibTorch's bfloat16 matmul is LibTorch's own loops on AVX2 (mkldnn's
+  /// micro-kernels are plain C++, and LibTorch's products where there is no oneDNN either), where
+  /// the CPU has no bfloat16 instructions (AVX2 or AVX-512 without AVX512_BF16: AMD Zen 2 and 3,
+  /// Intel before Cooper Lake). The vector micro-kernels need no oneDNN: a LibTorch whose oneDNN
+  /// qkv cannot find (the official downloads link it in, hidden) takes this route too. There LibTorch's bfloat16 matmul is LibTorch's own loops on AVX2 (mkldnn's
   /// bfloat16 wants AVX-512): the lm's bf16-mixed step took 5.5 s against float32's 0.18 s on LibTorch
   /// 1.13 (AMD EPYC Zen 5 made to look like an AVX2 CPU, docs/PERFORMANCE.md, 2026-12-03).
   Float32,
@@ -41,12 +42,12 @@ enum class Bfloat16Products {
 Bfloat16Products bfloat16_products();
 
 /// x Wᵀ + b, the same values and gradients as at::linear, by the fastest route that takes it:
-/// - on the CPU where the process has oneDNN (LibTorch's own, see kernels/linear/onednn_gemm.h),
-///   for products of at least kOneDnnFromMultiplyAdds and kOneDnnFromRows: oneDNN's GEMM for the
-///   product and both gradients' products, on the input's rows side by side (a non-contiguous
+/// - on the CPU, for products of at least kOneDnnFromMultiplyAdds and kOneDnnFromRows: one GEMM for
+///   the product and both gradients' products, on the input's rows side by side (a non-contiguous
 ///   input is made contiguous first, as at::linear does); second-order gradients (create_graph) on
-///   LibTorch's differentiable ops. Float32 outside autocast; under CPU autocast to bfloat16, unless
-///   bfloat16_products() is LibTorch, float32 or bfloat16 inputs rounded to bfloat16 as autocast does,
+///   LibTorch's differentiable ops. Float32 outside autocast, on oneDNN's GEMM where the process has
+///   oneDNN (LibTorch's own, see kernels/linear/onednn_gemm.h); under CPU autocast to bfloat16, on
+///   bfloat16_products() unless that is LibTorch, float32 or bfloat16 inputs rounded to bfloat16 as autocast does,
 ///   accumulated in float32 with the bias added in float32, the output in bfloat16 (autocast's type
 ///   for it), and each gradient computed in float32 and returned in its input's type (a float32
 ///   weight's gradient is not rounded to bfloat16 on the way, as it is under autocast's casts);

@@ -27,6 +27,7 @@
 
 namespace {
 
+using qkv::kernels::linear::LinearGemmChoice;
 using qkv::kernels::linear::OneDnnGemm;
 using qkv_test::relative_error;
 using qkv_test::tolerance_for;
@@ -109,9 +110,15 @@ LinearResult run(F f, const torch::Tensor& x, const torch::Tensor& w, const torc
 }
 
 TEST(Linear, FindsTheOneDnnLibTorchLoaded) {
-  // Debian's LibTorch links libdnnl: the route must find it there (and say which one ran).
+  // Debian's LibTorch links libdnnl: the route must find it there (and say which one ran), unless
+  // QKV_LINEAR_GEMM (ctest's routes.* runs) asks it not to look.
   const auto& gemm = OneDnnGemm::instance();
   if (!onednn_loaded()) GTEST_SKIP() << "this LibTorch loads no libdnnl: " << gemm.description();
+  if (qkv::kernels::linear::linear_gemm_choice() != LinearGemmChoice::Fastest) {
+    EXPECT_FALSE(gemm.available());
+    EXPECT_EQ(gemm.description().rfind("LibTorch's (QKV_LINEAR_GEMM=", 0), 0u) << gemm.description();
+    return;
+  }
   EXPECT_TRUE(gemm.available()) << gemm.description();
   EXPECT_EQ(gemm.description().rfind("oneDNN ", 0), 0u) << gemm.description();
 }
@@ -161,7 +168,7 @@ TEST(Linear, MatchesFloat64OverLayoutsAndSizes) {
           const bool large = rows >= qkv::detail::kOneDnnFromRows &&
                              rows * s.in * s.out >= qkv::detail::kOneDnnFromMultiplyAdds;
           const auto y = qkv::detail::linear(x, w, b);
-          EXPECT_EQ(graph_has(y, "OneDnnLinear"), routed && large) << linear_grad_fn_name(y);
+          EXPECT_EQ(graph_has(y, "GemmLinear"), routed && large) << linear_grad_fn_name(y);
         }
       }
     }
@@ -184,7 +191,7 @@ TEST(Linear, SecondOrderGradientsMatchFloat64) {
   const auto x = x_values.clone().requires_grad_(true), w = w_values.clone().requires_grad_(true),
              b = b_values.clone().requires_grad_(true);
   if (OneDnnGemm::instance().available()) {
-    EXPECT_TRUE(graph_has(qkv::detail::linear(x, w, b), "OneDnnLinear"));
+    EXPECT_TRUE(graph_has(qkv::detail::linear(x, w, b), "GemmLinear"));
   }
   const auto got = penalty(qkv::detail::linear, x, w, b);
   const auto x64 = x_values.to(torch::kDouble).requires_grad_(true),
@@ -203,15 +210,14 @@ TEST(Linear, LeavesOtherInputsToLibTorch) {
   const auto vector = torch::randn({6});
   EXPECT_TRUE(torch::equal(qkv::detail::linear(vector, w, b), torch::linear(vector, w, b)));
   const auto x64 = torch::randn({3, 6}, torch::kDouble);
-  EXPECT_FALSE(graph_has(qkv::detail::linear(x64, w.to(torch::kDouble), b.to(torch::kDouble)), "OneDnn"));
+  EXPECT_FALSE(graph_has(qkv::detail::linear(x64, w.to(torch::kDouble), b.to(torch::kDouble)), "GemmLinear"));
   // Under CPU autocast LibTorch's at::linear casts to bfloat16 (and so must the route); a product
   // this small stays on LibTorch's, except where that is its own loops (the float32 route).
   {
     qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
     const auto y = qkv::detail::linear(torch::randn({2, 3, 6}), w, b);
     EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
-    EXPECT_EQ(graph_has(y, "OneDnn"), OneDnnGemm::instance().available() && qkv::detail::bfloat16_products() ==
-                                                                               qkv::detail::Bfloat16Products::Float32)
+    EXPECT_EQ(graph_has(y, "GemmLinear"), qkv::detail::bfloat16_products() == qkv::detail::Bfloat16Products::Float32)
         << linear_grad_fn_name(y);
   }
   // Empty inputs keep their shape.
@@ -283,22 +289,33 @@ TEST(Linear, RoundsToBfloat16AsLibTorchDoes) {
 
 TEST(Linear, Bfloat16RouteFollowsTheCpusInstructions) {
   // Under bfloat16 autocast the products go where the CPU (as QKV_TILED_ISA makes it look; ctest
-  // reruns this file with avx2 and avx512) multiplies them fastest: with no bfloat16 instructions
-  // LibTorch 1.13's bfloat16 matmul is its own scalar loops, so qkv's float32 micro-kernels take the
-  // rounded operands; AVX512_BF16 without AMX by default (AMD): oneDNN's bfloat16 GEMM.
+  // reruns this file with avx2, avx512 and portable, and without oneDNN) multiplies them fastest:
+  // with no bfloat16 instructions LibTorch 1.13's bfloat16 matmul is its own scalar loops, so qkv's
+  // float32 micro-kernels take the rounded operands (with or without oneDNN in the process; plain
+  // C++ micro-kernels only with oneDNN's float32 GEMM behind them); AVX512_BF16 without AMX by
+  // default (AMD): oneDNN's bfloat16 GEMM. QKV_LINEAR_GEMM=libtorch keeps LibTorch's.
   using qkv::detail::Bfloat16Products;
   using qkv::kernels::tiled::ProductIsa;
-  if (!OneDnnGemm::instance().available()) {
-    EXPECT_EQ(qkv::detail::bfloat16_products(), Bfloat16Products::LibTorch);
-    GTEST_SKIP() << "no oneDNN GEMM in this process: " << OneDnnGemm::instance().description();
-  }
+  const auto& gemm = OneDnnGemm::instance();
   const auto usable = qkv::kernels::tiled::usable_isa();
   const auto route = qkv::detail::bfloat16_products();
+  const auto products = qkv::linear_products();
   SCOPED_TRACE(testing::Message() << "usable " << qkv::kernels::tiled::isa_name(usable) << ", active "
-                                  << qkv::tiled_instruction_set() << ", " << qkv::linear_products());
-  if (!qkv::kernels::tiled::at_least(usable, ProductIsa::Avx512Bf16)) {
-    EXPECT_EQ(route, Bfloat16Products::Float32);
-    EXPECT_NE(qkv::linear_products().find("on qkv's float32 micro-kernels"), std::string::npos);
+                                  << qkv::tiled_instruction_set() << ", " << products);
+  if (qkv::kernels::linear::linear_gemm_choice() == LinearGemmChoice::LibTorch) {
+    EXPECT_EQ(route, Bfloat16Products::LibTorch);
+    EXPECT_EQ(products, "LibTorch's (QKV_LINEAR_GEMM=libtorch)");
+  } else if (!qkv::kernels::tiled::at_least(usable, ProductIsa::Avx512Bf16)) {
+    const bool vector_kernels = qkv::kernels::tiled::at_least(qkv::kernels::tiled::active_isa(), ProductIsa::Avx2);
+    if (vector_kernels || gemm.available()) {
+      EXPECT_EQ(route, Bfloat16Products::Float32);
+      EXPECT_NE(products.find("on qkv's float32 micro-kernels"), std::string::npos);
+      // The float32 products' library comes first: oneDNN's, or LibTorch's and why.
+      EXPECT_EQ(products.rfind(gemm.available() ? "oneDNN " : "LibTorch's (", 0), 0u);
+    } else {
+      EXPECT_EQ(route, Bfloat16Products::LibTorch);
+      EXPECT_EQ(products.find("micro-kernels"), std::string::npos);
+    }
   } else if (usable == ProductIsa::AmxBf16) {
     EXPECT_EQ(route, Bfloat16Products::LibTorch);
   } else if (qkv::kernels::tiled::active_isa() == ProductIsa::Avx512Bf16 &&
@@ -316,8 +333,7 @@ TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
   // or float32 GEMM takes the product (bfloat16_products()) its gradients are float32 for float32
   // inputs; on LibTorch's route (CPUs with AMX) the same checks hold within bfloat16's rounding.
   torch::manual_seed(16);
-  const bool routed = OneDnnGemm::instance().available() &&
-                      qkv::detail::bfloat16_products() != qkv::detail::Bfloat16Products::LibTorch;
+  const bool routed = qkv::detail::bfloat16_products() != qkv::detail::Bfloat16Products::LibTorch;
   struct Shape {
     int64_t batch, rows, in, out;
   };
@@ -349,7 +365,7 @@ TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
               y = qkv::detail::linear(x, w, b);
             }
             EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
-            EXPECT_EQ(graph_has(y, "OneDnnLinear"), routed && (large || float32_route)) << linear_grad_fn_name(y);
+            EXPECT_EQ(graph_has(y, "GemmLinear"), routed && (large || float32_route)) << linear_grad_fn_name(y);
             (y.to(torch::kFloat) * probe).sum().backward();
             EXPECT_EQ(x.grad().scalar_type(), x_dtype);
             EXPECT_EQ(w.grad().scalar_type(), torch::kFloat);
@@ -390,9 +406,13 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
   // and of a weight's gradient (a long sum in groups), at sizes under the kept scratch and over it
   // (the second shape's widened weight and partial sums).
   using qkv::kernels::linear::Bfloat16Gemm;
-  if (!OneDnnGemm::instance().available()) GTEST_SKIP() << OneDnnGemm::instance().description();
-  std::vector<Bfloat16Gemm> gemms{Bfloat16Gemm::Float32};
+  std::vector<Bfloat16Gemm> gemms;
+  // The float32 products need oneDNN only where the micro-kernels are plain C++.
+  if (qkv::kernels::linear::float32_products_on_micro_kernels() || OneDnnGemm::instance().available()) {
+    gemms.push_back(Bfloat16Gemm::Float32);
+  }
   if (OneDnnGemm::instance().bfloat16_available()) gemms.push_back(Bfloat16Gemm::OneDnn);
+  if (gemms.empty()) GTEST_SKIP() << "plain C++ micro-kernels and " << OneDnnGemm::instance().description();
   torch::manual_seed(21);
   const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
   struct Shape {
@@ -443,7 +463,9 @@ TEST(Linear, Bfloat16GradientsInOnePassMatchFloat64) {
   // that left NaN in every scratch (beta 0 must not read them). Then through the layer, where only
   // some inputs require grad.
   using qkv::kernels::linear::linear_gradients_widened;
-  if (!OneDnnGemm::instance().available()) GTEST_SKIP() << OneDnnGemm::instance().description();
+  if (!qkv::kernels::linear::float32_products_on_micro_kernels() && !OneDnnGemm::instance().available()) {
+    GTEST_SKIP() << "plain C++ micro-kernels and " << OneDnnGemm::instance().description();
+  }
   torch::manual_seed(22);
   const int64_t M = 2100, N = 384, K = 128;
   const auto grad = torch::randn({M, N}).to(torch::kBFloat16), x = torch::randn({M, K}).to(torch::kBFloat16);
@@ -529,9 +551,7 @@ TEST(Linear, Bfloat16SecondOrderGradientsReachTheInputs) {
     qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
     y = qkv::detail::linear(x, w, b);
   }
-  EXPECT_EQ(graph_has(y, "OneDnnLinear"),
-            OneDnnGemm::instance().available() &&
-                qkv::detail::bfloat16_products() != qkv::detail::Bfloat16Products::LibTorch);
+  EXPECT_EQ(graph_has(y, "GemmLinear"), qkv::detail::bfloat16_products() != qkv::detail::Bfloat16Products::LibTorch);
   const auto grad_x = torch::autograd::grad({y.to(torch::kFloat).pow(2).sum()}, {x}, {}, /*retain_graph=*/true,
                                             /*create_graph=*/true)[0];
   grad_x.pow(2).sum().backward();

@@ -45,11 +45,14 @@ std::string tiled_instruction_set();
 /// LibTorch links it), whose GEMM qkv calls for the forward and both gradients' products in float32;
 /// "oneDNN 2.6.3 (bfloat16 autocast too)" where products under CPU autocast to bfloat16 also go to
 /// oneDNN's bfloat16 GEMM (a CPU with AVX512_BF16 and no AMX: AMD Zen 4 and later); "oneDNN 2.6.3
-/// (bfloat16 autocast too, on the float32 GEMM: no bfloat16 instructions)" where they go to its
-/// float32 GEMM on the operands rounded to bfloat16 (a CPU without AVX512_BF16 and AMX, where
-/// LibTorch's bfloat16 products are its own slow loops); otherwise
-/// "LibTorch's (why)": at::addmm / at::linear, OpenBLAS on Debian. The environment variable
-/// QKV_LINEAR_GEMM=libtorch, read once, keeps them on LibTorch's (to compare). Products under 2^19
+/// (bfloat16 autocast too, on qkv's float32 micro-kernels: no bfloat16 instructions)" where they go
+/// to qkv's own float32 micro-kernels on the operands rounded to bfloat16 (a CPU without
+/// AVX512_BF16 and AMX, where LibTorch's bfloat16 products are its own slow loops); otherwise
+/// "LibTorch's (why)": at::addmm / at::linear, OpenBLAS on Debian, followed on such a CPU by
+/// "; bfloat16 autocast on qkv's float32 micro-kernels (no bfloat16 instructions)" (they need no
+/// oneDNN). The environment variable QKV_LINEAR_GEMM, read once, compares: "libtorch" keeps every
+/// product on LibTorch's, "no-onednn" does as if the process had no oneDNN; any other value is
+/// refused (c10::Error naming the accepted ones) by the first linear layer. Products under 2^19
 /// multiply-adds or 4 rows (a decoded token's), float16 and float64, and other devices always use
 /// LibTorch's.
 std::string linear_products();

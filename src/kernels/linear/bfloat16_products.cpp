@@ -120,7 +120,7 @@ Strided<c10::BFloat16> bfloat16_view(const uint16_t* bits, int64_t ld, bool tran
 // against oneDNN's 205 on AMD EPYC Zen 5) widened to a float32 matrix for oneDNN's float32 GEMM.
 class Float32Right {
  public:
-  Float32Right() : micro_kernels_(tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2)) {}
+  Float32Right() : micro_kernels_(float32_products_on_micro_kernels()) {}
 
   void prepare(bool transposed, int64_t k, int64_t n, const uint16_t* b, int64_t ldb) {
     k_ = k, n_ = n, transposed_ = transposed;
@@ -215,6 +215,8 @@ at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype) {
   if (t.scalar_type() == dtype) return t;
   return dtype == at::kBFloat16 ? round_to_bfloat16(t) : t.to(dtype);
 }
+
+bool float32_products_on_micro_kernels() { return tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2); }
 
 void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k,
                        const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,

@@ -51,6 +51,10 @@ at::Tensor float32_to(const at::Tensor& t, at::ScalarType dtype);
 /// of the lm's bf16-mixed step there); a long sum (a weight's gradient) 256 at a time.
 enum class Bfloat16Gemm { OneDnn, Float32 };
 
+/// Whether Bfloat16Gemm::Float32 multiplies on qkv's vector micro-kernels (the tiled kernel's active
+/// instruction set has AVX2 + FMA or more); where it does not, it needs oneDNN's float32 GEMM.
+bool float32_products_on_micro_kernels();
+
 /// C (m × n, float32, row stride ldc) = op(A) · op(B) + beta · C, A and B bfloat16 (the raw bits),
 /// each row-major with its row stride or transposed (as OneDnnGemm::multiply), on `gemm`; m, n, k > 0.
 void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k,

@@ -36,13 +36,32 @@ std::string loaded_onednn_path() {
   return found;
 }
 
+LinearGemmChoice read_linear_gemm_choice() {
+  const char* value = std::getenv("QKV_LINEAR_GEMM");
+  const std::string choice = value ? value : "";
+  if (choice.empty()) return LinearGemmChoice::Fastest;
+  if (choice == "libtorch") return LinearGemmChoice::LibTorch;
+  TORCH_CHECK(choice == "no-onednn", "qkv: QKV_LINEAR_GEMM: expected libtorch or no-onednn (or unset), got '", choice,
+              "'");
+  return LinearGemmChoice::WithoutOneDnn;
+}
+
 }  // namespace
 
+LinearGemmChoice linear_gemm_choice() {
+  static const LinearGemmChoice chosen = read_linear_gemm_choice();  // a throw leaves it unset: read again
+  return chosen;
+}
+
 OneDnnGemm::OneDnnGemm() {
-  const char* choice = std::getenv("QKV_LINEAR_GEMM");
-  if (choice && std::strcmp(choice, "libtorch") == 0) {
-    description_ = "LibTorch's (QKV_LINEAR_GEMM=libtorch)";
-    return;
+  switch (linear_gemm_choice()) {
+    case LinearGemmChoice::LibTorch:
+      description_ = "LibTorch's (QKV_LINEAR_GEMM=libtorch)";
+      return;
+    case LinearGemmChoice::WithoutOneDnn:
+      description_ = "LibTorch's (QKV_LINEAR_GEMM=no-onednn: oneDNN not looked up)";
+      return;
+    case LinearGemmChoice::Fastest: break;
   }
   // The process's global scope first (LibTorch linked as a program's dependency), then a oneDNN
   // loaded privately (LibTorch opened with RTLD_LOCAL): RTLD_NOLOAD never loads a second one.

@@ -7,8 +7,9 @@
 // link a oneDNN of its own: Debian 13's and unstable's libdnnl-dev are newer than the oneDNN their
 // LibTorch links (3.7 and 3.12 against 3.6), and two oneDNNs in one process share their exported
 // names. It looks up `dnnl_sgemm` among the libraries already loaded instead; where there is none
-// (a LibTorch with oneDNN linked in statically and hidden, or built without it) the linear layers
-// stay on LibTorch's own products.
+// (a LibTorch with oneDNN linked in statically and hidden, as the official downloads have it, or
+// built without it) float32 linear layers stay on LibTorch's own products (see linear.h for
+// bfloat16's).
 //
 // `dnnl_gemm_bf16bf16f32`, with the signature of dnnl_sgemm but bfloat16 A and B (oneDNN's own
 // tests declare it; dnnl.h does not), is exported by the oneDNNs of Debian 12, 13 and unstable
@@ -22,11 +23,26 @@
 
 namespace qkv::kernels::linear {
 
+/// What the environment variable QKV_LINEAR_GEMM asks of the linear layers' products, read once:
+enum class LinearGemmChoice {
+  /// unset or empty: the fastest route qkv has (linear.h), oneDNN's GEMMs where LibTorch loaded them;
+  Fastest,
+  /// "libtorch": LibTorch's own products for every linear layer (to compare against);
+  LibTorch,
+  /// "no-onednn": oneDNN not looked up, as where LibTorch's is hidden (float32 on LibTorch's
+  /// products; bfloat16 autocast on qkv's own micro-kernels where the CPU has no bfloat16
+  /// instructions): to test that case on a LibTorch whose oneDNN qkv would find.
+  WithoutOneDnn,
+};
+/// Throws c10::Error naming the accepted values for any other value (at every call: nothing is
+/// multiplied on a route the variable did not ask for).
+LinearGemmChoice linear_gemm_choice();
+
 /// The loaded oneDNN's GEMMs, or none.
 class OneDnnGemm {
  public:
-  /// The process's oneDNN, looked up once (thread-safe); unavailable when QKV_LINEAR_GEMM is set
-  /// to "libtorch" in the environment at the first call.
+  /// The process's oneDNN, looked up once (thread-safe); unavailable when linear_gemm_choice() is
+  /// not Fastest.
   static const OneDnnGemm& instance();
 
   bool available() const { return sgemm_ != nullptr; }
