@@ -2,7 +2,9 @@
 # The benchmark scripts' side options (ctest: scripts.bench_options): `scripts/bench.sh --pytorch
 # none` times qkv alone and still prints its table; `none` beside another side is refused; a
 # release name that debootstrap does not know is refused by scripts/test-in-debian.sh before it
-# makes anything (it once tried to bootstrap a Debian called "none").
+# makes anything (it once tried to bootstrap a Debian called "none"). qkv-bench refuses an
+# environment variable value that qkv refuses (QKV_TILED_ISA, QKV_LINEAR_GEMM) with exit 2 and the
+# reason, before any case, where it once aborted on the uncaught error.
 #   tests/scripts/bench_options_test.sh REPOSITORY BUILD_DIR
 set -uo pipefail
 repo=$1
@@ -35,4 +37,12 @@ if [[ -d /usr/share/debootstrap/scripts ]]; then
   grep -q "expected a Debian release debootstrap knows" <<< "$out" || fail "no reason given: $out"
   [[ ! -e "$work/chroots/no-such-release" ]] || fail "test-in-debian.sh made a folder for an unknown release"
 fi
+for setting in QKV_TILED_ISA=avx9000 QKV_LINEAR_GEMM=mkl; do
+  out=$(env "$setting" "$build/apps/qkv-bench" --benchmark_filter='^toy_forward_backward' 2>&1)
+  status=$?
+  [[ $status -eq 2 ]] || fail "qkv-bench with $setting: expected exit 2, got $status: $out"
+  grep -Eq "^qkv-bench: (qkv: )?${setting%%=*}: expected .*, got '${setting#*=}'" <<< "$out" ||
+    fail "qkv-bench with $setting: no reason given: $out"
+  ! grep -q 'toy_forward_backward' <<< "$out" || fail "qkv-bench with $setting ran a case: $out"
+done
 echo "bench options: ok"
