@@ -82,10 +82,11 @@ at::Tensor onednn_linear_forward(const at::Tensor& x, const at::Tensor& weight, 
   return y;
 }
 
-// The forward of both functions below (float32 on oneDNN, bfloat16 on bfloat16_gemm()): saves what the backward needs, returns (M × N) in float32,
-// or in bfloat16 when the operands were rounded to it (autocast's type for a linear layer's output).
+// The forward of both functions below (float32 on oneDNN, bfloat16 on bfloat16_gemm()): saves what
+// the backward needs, returns (M × N) in float32, or in bfloat16 when the operands were rounded to
+// it (autocast's type for a linear layer's output).
 at::Tensor forward_on_gemm(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                             const at::Tensor& bias, GemmInputs inputs) {
+                           const at::Tensor& bias, GemmInputs inputs) {
   const auto x_operand = gemm_operand(x, inputs), w_operand = gemm_operand(weight, inputs);
   // The operands for the backward's products; the inputs themselves (the same tensors in float32)
   // for a create_graph backward, whose gradients must reach them through autograd.

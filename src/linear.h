@@ -34,9 +34,10 @@ enum class Bfloat16Products {
   /// micro-kernels are plain C++, and LibTorch's products where there is no oneDNN either), where
   /// the CPU has no bfloat16 instructions (AVX2 or AVX-512 without AVX512_BF16: AMD Zen 2 and 3,
   /// Intel before Cooper Lake). The vector micro-kernels need no oneDNN: a LibTorch whose oneDNN
-  /// qkv cannot find (the official downloads link it in, hidden) takes this route too. There LibTorch's bfloat16 matmul is LibTorch's own loops on AVX2 (mkldnn's
-  /// bfloat16 wants AVX-512): the lm's bf16-mixed step took 5.5 s against float32's 0.18 s on LibTorch
-  /// 1.13 (AMD EPYC Zen 5 made to look like an AVX2 CPU, docs/PERFORMANCE.md, 2026-12-03).
+  /// qkv cannot find (the official downloads link it in, hidden) takes this route too. There
+  /// LibTorch's bfloat16 matmul is LibTorch's own loops on AVX2 (mkldnn's bfloat16 wants AVX-512):
+  /// the lm's bf16-mixed step took 5.5 s against float32's 0.18 s on LibTorch 1.13 (AMD EPYC Zen 5
+  /// made to look like an AVX2 CPU, docs/PERFORMANCE.md, 2026-12-03).
   Float32,
 };
 Bfloat16Products bfloat16_products();
@@ -47,10 +48,11 @@ Bfloat16Products bfloat16_products();
 ///   input is made contiguous first, as at::linear does); second-order gradients (create_graph) on
 ///   LibTorch's differentiable ops. Float32 outside autocast, on oneDNN's GEMM where the process has
 ///   oneDNN (LibTorch's own, see kernels/linear/onednn_gemm.h); under CPU autocast to bfloat16, on
-///   bfloat16_products() unless that is LibTorch, float32 or bfloat16 inputs rounded to bfloat16 as autocast does,
-///   accumulated in float32 with the bias added in float32, the output in bfloat16 (autocast's type
-///   for it), and each gradient computed in float32 and returned in its input's type (a float32
-///   weight's gradient is not rounded to bfloat16 on the way, as it is under autocast's casts);
+///   bfloat16_products() unless that is LibTorch, float32 or bfloat16 inputs rounded to bfloat16 as
+///   autocast does, accumulated in float32 with the bias added in float32, the output in bfloat16
+///   (autocast's type for it), and each gradient computed in float32 and returned in its input's
+///   type (a float32 weight's gradient is not rounded to bfloat16 on the way, as it is under
+///   autocast's casts);
 /// - any other input with 3 or more dimensions, contiguous: its rows side by side in one addmm with
 ///   the bias (what PyTorch's Python F.linear does on 2.x; the C++ frontend's nn::Linear multiplies
 ///   first and adds the bias in a second pass, which under bf16 autocast also converts: 3.0 of
