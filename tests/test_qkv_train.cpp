@@ -437,6 +437,26 @@ TEST(TrainTasks, DamagedCheckpointsAreRefusedNamingTheFile) {
   fs::remove_all(source), fs::remove_all(other);
 }
 
+// A value of QKV_TILED_ISA or QKV_LINEAR_GEMM that qkv refuses is a usage error: exit 2, one line
+// naming the variable, the value and what it takes, and nothing written (it used to surface at the
+// first linear layer as a runtime error, exit 1).
+TEST(TrainApp, RefusedRouteVariablesExitWith2BeforeWriting) {
+  for (const auto& [setting, message] : std::vector<std::pair<std::string, std::string>>{
+           {"QKV_TILED_ISA=avx9000", "QKV_TILED_ISA: expected one of portable, avx2, avx512, avx512_bf16, amx_bf16, "
+                                     "got 'avx9000'"},
+           {"QKV_LINEAR_GEMM=mkl", "QKV_LINEAR_GEMM: expected libtorch or no-onednn (or unset), got 'mkl'"}}) {
+    const auto out = fresh_dir("refused_route");
+    auto run = qkv_test::run_command("env " + setting + " " + QKV_TRAIN_PATH + " " + kSmallReverse + "--steps 2 --out " +
+                                         out.string(),
+                                     /*merge_stderr=*/true);
+    EXPECT_EQ(run.exit_code, 2) << setting << ": " << run.output;
+    EXPECT_THAT(run.output, HasSubstr("qkv-train: error: ")) << setting;
+    EXPECT_THAT(run.output, HasSubstr(message)) << setting;
+    EXPECT_EQ(std::count(run.output.begin(), run.output.end(), '\n'), 1) << setting << ": " << run.output;
+    EXPECT_FALSE(fs::exists(out)) << setting;
+  }
+}
+
 // ---- Data-parallel training (qkv-train --nproc, torchrun's environment). ----
 
 // Runs qkv-train with `assignments` (VAR=value ...) as its only distributed environment variables.

@@ -98,6 +98,17 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  // The kernels' and linear layers' routes as the environment chose them (QKV_TILED_ISA,
+  // QKV_LINEAR_GEMM): a value qkv refuses is an error of the command, found before anything runs
+  // or is written (later it would end the run as a runtime error, with exit status 1).
+  try {
+    (void)qkv::tiled_instruction_set();
+    (void)qkv::linear_products();
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "qkv-train: error: %s\n", e.what_without_backtrace());
+    return 2;
+  }
+
   // 2. --nproc: this process only launches the ranks and waits for them.
   if (config.nproc > 1) {
     if (env) {
