@@ -1,5 +1,7 @@
 #include "common/cli_support.h"
 
+#include <qkv/functional.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +13,16 @@
 #endif
 
 namespace qkv_cli {
+
+std::string route_setting_problem() {
+  try {
+    (void)qkv::tiled_instruction_set();  // reads QKV_TILED_ISA
+    (void)qkv::linear_products();        // reads QKV_LINEAR_GEMM
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
 
 int usage_error(const std::string& program, const std::string& message) {
   std::string line = message;

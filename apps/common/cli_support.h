@@ -18,6 +18,11 @@ std::optional<int> parse(CLI::App& app, int argc, const char* const* argv);
 /// Prints "<program>: error: <message> (see --help)" as one line on stderr and returns 2.
 int usage_error(const std::string& program, const std::string& message);
 
+/// "" where qkv takes the environment's route settings (QKV_TILED_ISA, QKV_LINEAR_GEMM), else its
+/// one-line reason for refusing one (the variable, its value and the values it takes): the programs
+/// check it before they run anything, as a usage error (exit status 2), not at the first layer.
+std::string route_setting_problem();
+
 /// The dtype names the programs accept, and the dtype each stands for.
 const std::vector<std::string>& dtype_names();               // float32, float64, bfloat16, float16
 torch::ScalarType dtype_from_name(const std::string& name);  // throws std::invalid_argument for others

@@ -292,19 +292,18 @@ int main(int argc, char** argv) {
     }
   }
   if (list) return 0;
-  try {
-    // The kernels' and linear layers' routes as the environment set them (QKV_TILED_ISA,
-    // QKV_LINEAR_GEMM): a value they refuse ends the run here, before any case.
-    benchmark::AddCustomContext("tiled_isa", qkv::tiled_instruction_set());
-    benchmark::AddCustomContext("linear_products", qkv::linear_products());
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "qkv-bench: %s\n", e.what_without_backtrace());
+  // The kernels' and linear layers' routes as the environment set them: a value qkv refuses ends
+  // the run here, before any case.
+  if (const auto problem = qkv_cli::route_setting_problem(); !problem.empty()) {
+    std::fprintf(stderr, "qkv-bench: %s\n", problem.c_str());
     return 2;
   }
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
   benchmark::AddCustomContext("torch_threads", std::to_string(torch::get_num_threads()));
   benchmark::AddCustomContext("device", device.str());
+  benchmark::AddCustomContext("tiled_isa", qkv::tiled_instruction_set());
   benchmark::AddCustomContext("blas_core", qkv::blas_core());
+  benchmark::AddCustomContext("linear_products", qkv::linear_products());
   if (const auto advice = qkv::blas_core_advice(); !advice.empty()) std::fprintf(stderr, "qkv-bench: %s\n", advice.c_str());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

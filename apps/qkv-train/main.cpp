@@ -101,11 +101,8 @@ int main(int argc, char** argv) {
   // The kernels' and linear layers' routes as the environment chose them (QKV_TILED_ISA,
   // QKV_LINEAR_GEMM): a value qkv refuses is an error of the command, found before anything runs
   // or is written (later it would end the run as a runtime error, with exit status 1).
-  try {
-    (void)qkv::tiled_instruction_set();
-    (void)qkv::linear_products();
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "qkv-train: error: %s\n", e.what_without_backtrace());
+  if (const auto problem = qkv_cli::route_setting_problem(); !problem.empty()) {
+    std::fprintf(stderr, "qkv-train: error: %s\n", problem.c_str());
     return 2;
   }
 
