@@ -214,16 +214,33 @@ std::string blas_core() { return kernels::tiled::blas_core(); }
 
 std::string linear_products() {
   const auto& gemm = kernels::linear::OneDnnGemm::instance();
+  std::string float32;
+  switch (detail::float32_products()) {
+    case detail::Float32Products::OneDnn: float32 = gemm.name(); break;
+    case detail::Float32Products::MicroKernels:
+      float32 = "qkv's float32 micro-kernels (" + gemm.float32_unavailable_because() + ")";
+      break;
+    case detail::Float32Products::LibTorch:
+      float32 = "LibTorch's (" + gemm.float32_unavailable_because() +
+                (kernels::linear::linear_gemm_choice() == kernels::linear::LinearGemmChoice::LibTorch
+                     ? ""
+                     : "; qkv's micro-kernels are plain C++ here") +
+                ")";
+      break;
+  }
+  const bool float32_on_onednn = detail::float32_products() == detail::Float32Products::OneDnn;
   switch (detail::bfloat16_products()) {
-    case detail::Bfloat16Products::OneDnnBfloat16: return gemm.description() + " (bfloat16 autocast too)";
+    case detail::Bfloat16Products::OneDnnBfloat16:
+      return float32 + (float32_on_onednn ? " (bfloat16 autocast too)"
+                                       : "; bfloat16 autocast on " + gemm.name() + "'s bfloat16 GEMM");
     case detail::Bfloat16Products::Float32:
-      if (!gemm.available()) {
-        return gemm.description() + "; bfloat16 autocast on qkv's float32 micro-kernels (no bfloat16 instructions)";
-      }
-      return gemm.description() + " (bfloat16 autocast too, on qkv's float32 micro-kernels: no bfloat16 instructions)";
+      return float32 + (float32_on_onednn ? " (bfloat16 autocast too, on qkv's float32 micro-kernels: no bfloat16 "
+                                            "instructions)"
+                                          : "; bfloat16 autocast on qkv's float32 micro-kernels (no bfloat16 "
+                                            "instructions)");
     case detail::Bfloat16Products::LibTorch: break;
   }
-  return gemm.description();
+  return float32;
 }
 
 std::string blas_core_advice() { return kernels::tiled::blas_core_advice(); }

@@ -1,5 +1,4 @@
-// Linear layers on oneDNN's GEMM where the process has it, bfloat16 autocast's also on qkv's own
-// micro-kernels (see linear.h).
+// Linear layers on oneDNN's GEMM or qkv's own micro-kernels (see linear.h).
 //
 // M = rows of the input (all leading dimensions), K = in features, N = out features.
 #include "linear.h"
@@ -56,23 +55,25 @@ at::Tensor gemm_operand(const at::Tensor& t, GemmInputs inputs) {
 }
 
 // c (float32, row-major, row stride ldc) = op(a) · op(b) + beta · c, a and b both float32 (on
-// oneDNN) or both bfloat16 (on bfloat16_gemm()); see OneDnnGemm::multiply.
+// float32_products()) or both bfloat16 (on bfloat16_gemm()); see OneDnnGemm::multiply.
 void product(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const at::Tensor& a, int64_t lda,
              const at::Tensor& b, int64_t ldb, float beta, at::Tensor& c, int64_t ldc) {
-  const auto& gemm = OneDnnGemm::instance();
   if (a.scalar_type() == at::kBFloat16) {
     const auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
     kernels::linear::multiply_bfloat16(bfloat16_gemm(), transpose_a, transpose_b, m, n, k, bits(a), lda, bits(b), ldb,
                                        beta, c.data_ptr<float>(), ldc);
+  } else if (float32_products() == Float32Products::OneDnn) {
+    OneDnnGemm::instance().multiply(transpose_a, transpose_b, m, n, k, a.data_ptr<float>(), lda, b.data_ptr<float>(),
+                                    ldb, beta, c.data_ptr<float>(), ldc);
   } else {
-    gemm.multiply(transpose_a, transpose_b, m, n, k, a.data_ptr<float>(), lda, b.data_ptr<float>(), ldb, beta,
-                  c.data_ptr<float>(), ldc);
+    kernels::linear::multiply_float32(transpose_a, transpose_b, m, n, k, a.data_ptr<float>(), lda, b.data_ptr<float>(),
+                                      ldb, beta, c.data_ptr<float>(), ldc);
   }
 }
 
-// y = x Wᵀ + b on oneDNN, in float32; x (M × K) contiguous, x and the weight GEMM operands.
-// Returns (M × N).
-at::Tensor onednn_linear_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+// y = x Wᵀ + b in float32 on float32_products(); x (M × K) contiguous, x and the weight GEMM
+// operands. Returns (M × N).
+at::Tensor float32_linear_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const auto w = weight_operand(weight);
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -82,7 +83,7 @@ at::Tensor onednn_linear_forward(const at::Tensor& x, const at::Tensor& weight, 
   return y;
 }
 
-// The forward of both functions below (float32 on oneDNN, bfloat16 on bfloat16_gemm()): saves what
+// The forward of both functions below (float32 on float32_products(), bfloat16 on bfloat16_gemm()): saves what
 // the backward needs, returns (M × N) in float32, or in bfloat16 when the operands were rounded to
 // it (autocast's type for a linear layer's output).
 at::Tensor forward_on_gemm(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -95,7 +96,7 @@ at::Tensor forward_on_gemm(torch::autograd::AutogradContext* ctx, const at::Tens
   ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
   ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
   ctx->saved_data["b_dtype"] = static_cast<int64_t>(bias.defined() ? bias.scalar_type() : at::kFloat);
-  if (inputs == GemmInputs::Float32) return onednn_linear_forward(x_operand, w_operand, bias);
+  if (inputs == GemmInputs::Float32) return float32_linear_forward(x_operand, w_operand, bias);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const auto w = weight_operand(w_operand);
   return kernels::linear::bfloat16_product(bfloat16_gemm(), M, N, K, {x_operand, false, K}, {w.tensor, w.rows, w.ld},
@@ -201,13 +202,13 @@ std::optional<GemmInputs> gemm_route(const at::Tensor& x, const at::Tensor& weig
   if (!x.defined() || !weight.defined() || x.dim() < 2 || weight.dim() != 2) return std::nullopt;
   // Under autocast LibTorch's at::linear computes in autocast's type: bfloat16 comes here unless
   // LibTorch's own bfloat16 products are the faster (bfloat16_products()), anything else stays.
-  // Float32 comes here where the process has oneDNN.
+  // Float32 comes here unless its products are LibTorch's (float32_products()).
   const bool autocast = compat::autocast_enabled(at::kCPU);
   const auto products = autocast ? bfloat16_products() : Bfloat16Products::LibTorch;
   if (autocast && (compat::autocast_dtype(at::kCPU) != at::kBFloat16 || products == Bfloat16Products::LibTorch)) {
     return std::nullopt;
   }
-  if (!autocast && !OneDnnGemm::instance().available()) return std::nullopt;
+  if (!autocast && float32_products() == Float32Products::LibTorch) return std::nullopt;
   if (!cpu_tensor_of(x, autocast) || !cpu_tensor_of(weight, autocast)) return std::nullopt;
   if (bias.defined() && (!cpu_tensor_of(bias, autocast) || bias.dim() != 1 || bias.size(0) != weight.size(0))) {
     return std::nullopt;
@@ -220,7 +221,7 @@ std::optional<GemmInputs> gemm_route(const at::Tensor& x, const at::Tensor& weig
   // Python, mkldnn off, AMD EPYC Zen 5, 2026-12-03): oneDNN's fixed cost is worth paying for all.
   const bool every_size = autocast && products == Bfloat16Products::Float32;
   if (!every_size &&
-      (M < kOneDnnFromRows || static_cast<double>(M) * K * N < static_cast<double>(kOneDnnFromMultiplyAdds))) {
+      (M < kGemmRouteFromRows || static_cast<double>(M) * K * N < static_cast<double>(kGemmRouteFromMultiplyAdds))) {
     return std::nullopt;
   }
   return autocast ? GemmInputs::BFloat16 : GemmInputs::Float32;
@@ -237,6 +238,19 @@ at::Tensor linear_by_libtorch(const at::Tensor& x, const at::Tensor& weight, con
 }
 
 }  // namespace
+
+Float32Products float32_products() {
+  static const Float32Products chosen = [] {
+    if (kernels::linear::linear_gemm_choice() == LinearGemmChoice::LibTorch) return Float32Products::LibTorch;
+    if (OneDnnGemm::instance().available()) return Float32Products::OneDnn;
+    // The lm's float32 step (qkv-train, 2 threads, AMD EPYC Zen 5, 2026-12-04): 105-107 ms on the
+    // AVX-512 micro-kernels against 103-104 on oneDNN 2.6.3's GEMM and 130-175 on OpenBLAS 0.3.21;
+    // on AVX2 (emulated) 159-160 against oneDNN's 166. Plain C++ micro-kernels are too slow.
+    return kernels::linear::float32_products_on_micro_kernels() ? Float32Products::MicroKernels
+                                                                : Float32Products::LibTorch;
+  }();
+  return chosen;
+}
 
 Bfloat16Products bfloat16_products() {
   static const Bfloat16Products chosen = [] {

@@ -8,16 +8,34 @@
 
 namespace qkv::detail {
 
-/// Products that go to oneDNN: at least this many multiply-adds (rows · in · out) and 4 rows. Below,
-/// oneDNN's fixed cost of about 5 µs per call loses to OpenBLAS (a decoded token's products: M = 1);
-/// measured 2026-12-03 on AMD EPYC Zen 5, 2 threads, K = 128: OpenBLAS 0.3.21 (0.3.34) faster up to
-/// M·N·K = 2^18 at N = 128 (M = 16), oneDNN faster from 2^19 (M = 32) and at N = 384, 512 from M = 4.
-constexpr int64_t kOneDnnFromMultiplyAdds = int64_t{1} << 19;
-constexpr int64_t kOneDnnFromRows = 4;
+/// Products that go to the GEMM route (oneDNN's GEMM or qkv's micro-kernels, below): at least this
+/// many multiply-adds (rows · in · out) and 4 rows. Below, oneDNN's fixed cost of about 5 µs per
+/// call loses to OpenBLAS (a decoded token's products: M = 1); measured 2026-12-03 on AMD EPYC Zen 5,
+/// 2 threads, K = 128: OpenBLAS 0.3.21 (0.3.34) faster up to M·N·K = 2^18 at N = 128 (M = 16),
+/// oneDNN faster from 2^19 (M = 32) and at N = 384, 512 from M = 4. The micro-kernels pack the
+/// weight at every call, a fixed cost of the same kind.
+constexpr int64_t kGemmRouteFromMultiplyAdds = int64_t{1} << 19;
+constexpr int64_t kGemmRouteFromRows = 4;
+
+/// Which GEMM multiplies a linear layer's float32 operands outside autocast, for products of at
+/// least kGemmRouteFromMultiplyAdds and kGemmRouteFromRows (smaller ones: LibTorch's):
+enum class Float32Products {
+  /// oneDNN's float32 GEMM, where the process has a oneDNN whose GEMM is signal-safe
+  /// (kernels/linear/onednn_gemm.h: 3.11.2, 3.12 and later; Debian unstable's 3.12.1).
+  OneDnn,
+  /// qkv's float32 micro-kernels (kernels::linear::multiply_float32), where the tiled kernel's
+  /// instruction set has them in vectors and there is no such oneDNN: an older one (Debian 12's
+  /// 2.6.3, Debian 13's 3.7.2), or none qkv can see.
+  MicroKernels,
+  /// LibTorch's (at::addmm / at::linear: OpenBLAS on Debian): QKV_LINEAR_GEMM=libtorch, or plain
+  /// C++ micro-kernels and no such oneDNN.
+  LibTorch,
+};
+Float32Products float32_products();
 
 /// Which GEMM multiplies a linear layer's operands under CPU autocast to bfloat16 (operands rounded
 /// to bfloat16, sums in float32, the output in bfloat16), by the CPU's instructions as
-/// kernels::tiled::usable_isa() reports them, for products of at least kOneDnnFromMultiplyAdds as
+/// kernels::tiled::usable_isa() reports them, for products of at least kGemmRouteFromMultiplyAdds as
 /// in float32 (all sizes on the Float32 route); LibTorch's everywhere with QKV_LINEAR_GEMM=libtorch:
 enum class Bfloat16Products {
   /// LibTorch's bfloat16 matmul (oneDNN's primitives). With AMX they multiply on the tiles, which
@@ -43,11 +61,11 @@ enum class Bfloat16Products {
 Bfloat16Products bfloat16_products();
 
 /// x Wᵀ + b, the same values and gradients as at::linear, by the fastest route that takes it:
-/// - on the CPU, for products of at least kOneDnnFromMultiplyAdds and kOneDnnFromRows: one GEMM for
+/// - on the CPU, for products of at least kGemmRouteFromMultiplyAdds and kGemmRouteFromRows: one GEMM for
 ///   the product and both gradients' products, on the input's rows side by side (a non-contiguous
 ///   input is made contiguous first, as at::linear does); second-order gradients (create_graph) on
-///   LibTorch's differentiable ops. Float32 outside autocast, on oneDNN's GEMM where the process has
-///   oneDNN (LibTorch's own, see kernels/linear/onednn_gemm.h); under CPU autocast to bfloat16, on
+///   LibTorch's differentiable ops. Float32 outside autocast, on float32_products() unless that is
+///   LibTorch; under CPU autocast to bfloat16, on
 ///   bfloat16_products() unless that is LibTorch, float32 or bfloat16 inputs rounded to bfloat16 as
 ///   autocast does, accumulated in float32 with the bias added in float32, the output in bfloat16
 ///   (autocast's type for it), and each gradient computed in float32 and returned in its input's

@@ -19,11 +19,23 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <dlfcn.h>
 #include <link.h>
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
 
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -33,16 +45,29 @@ using qkv_test::relative_error;
 using qkv_test::tolerance_for;
 
 // Written here apart from onednn_gemm.cpp's own lookup, so that the test does not check that code with itself.
-bool onednn_loaded() {
-  bool found = false;
+std::string loaded_onednn() {
+  std::string found;
   dl_iterate_phdr(
       [](dl_phdr_info* info, size_t, void* out) {
         const char* name = info->dlpi_name ? info->dlpi_name : "";
-        if (std::strstr(name, "libdnnl.so")) *static_cast<bool*>(out) = true;
+        if (std::strstr(name, "libdnnl.so")) *static_cast<std::string*>(out) = name;
         return 0;
       },
       &found);
   return found;
+}
+bool onednn_loaded() { return !loaded_onednn().empty(); }
+
+// The loaded oneDNN's version as dnnl_version() gives it ({-1, -1, -1} where it cannot be read).
+std::array<int, 3> loaded_onednn_version() {
+  struct Version {
+    int major, minor, patch;
+    const char* hash;
+  };
+  void* handle = dlopen(loaded_onednn().c_str(), RTLD_LAZY | RTLD_NOLOAD);
+  void* symbol = handle ? dlsym(handle, "dnnl_version") : nullptr;
+  const auto* version = symbol ? reinterpret_cast<const Version* (*)()>(symbol)() : nullptr;
+  return version ? std::array<int, 3>{version->major, version->minor, version->patch} : std::array<int, 3>{-1, -1, -1};
 }
 
 std::string linear_grad_fn_name(const torch::Tensor& t) { return t.grad_fn() ? t.grad_fn()->name() : "(none)"; }
@@ -110,26 +135,149 @@ LinearResult run(F f, const torch::Tensor& x, const torch::Tensor& w, const torc
 }
 
 TEST(Linear, FindsTheOneDnnLibTorchLoaded) {
-  // Debian's LibTorch links libdnnl: the route must find it there (and say which one ran), unless
+  // Debian's LibTorch links libdnnl: the route must find it there and say which one it is, and take
+  // its float32 GEMM only from a oneDNN with the fix for issue #4845 (3.11.2, 3.12.0 and later, by
+  // oneDNN's release notes: Debian unstable's 3.12.1; not Debian 12's 2.6.3 or 13's 3.7.2), unless
   // QKV_LINEAR_GEMM (ctest's routes.* runs) asks it not to look.
   const auto& gemm = OneDnnGemm::instance();
-  if (!onednn_loaded()) GTEST_SKIP() << "this LibTorch loads no libdnnl: " << gemm.description();
+  if (!onednn_loaded()) GTEST_SKIP() << "this LibTorch loads no libdnnl: " << gemm.float32_unavailable_because();
   if (qkv::kernels::linear::linear_gemm_choice() != LinearGemmChoice::Fastest) {
     EXPECT_FALSE(gemm.available());
-    EXPECT_EQ(gemm.description().rfind("LibTorch's (QKV_LINEAR_GEMM=", 0), 0u) << gemm.description();
+    EXPECT_EQ(gemm.name(), "");
+    EXPECT_EQ(gemm.float32_unavailable_because().rfind("QKV_LINEAR_GEMM=", 0), 0u) << gemm.float32_unavailable_because();
     return;
   }
-  EXPECT_TRUE(gemm.available()) << gemm.description();
-  EXPECT_EQ(gemm.description().rfind("oneDNN ", 0), 0u) << gemm.description();
+  const auto [major, minor, patch] = loaded_onednn_version();
+  ASSERT_GE(major, 0) << loaded_onednn() << " has no dnnl_version";
+  EXPECT_EQ(gemm.name(), "oneDNN " + std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch));
+  const bool fixed = major > 3 || (major == 3 && (minor > 11 || (minor == 11 && patch >= 2)));
+  EXPECT_EQ(gemm.available(), fixed) << gemm.name();
+  if (!fixed) {
+    EXPECT_NE(gemm.float32_unavailable_because().find("corrupts the heap (oneDNN issue #4845, fixed in 3.11.2)"),
+              std::string::npos)
+        << gemm.float32_unavailable_because();
+  }
+}
+
+TEST(Linear, TakesOneDnnsFloat32GemmFromVersionsWithTheSignalFix) {
+  // oneDNN's release notes: "Fixed a potential heap corruption in f32 GEMM kernels on x64 CPUs"
+  // in v3.11.2 (2026-03-30); v3.12 was branched after the fix (6191181) reached main.
+  using qkv::kernels::linear::onednn_float32_gemm_is_signal_safe;
+  for (const auto& [major, minor, patch, safe] :
+       std::vector<std::tuple<int, int, int, bool>>{{1, 8, 0, false},
+                                                    {2, 6, 3, false},   // Debian 12
+                                                    {3, 6, 2, false},
+                                                    {3, 7, 2, false},   // Debian 13
+                                                    {3, 10, 9, false},
+                                                    {3, 11, 0, false},
+                                                    {3, 11, 1, false},
+                                                    {3, 11, 2, true},
+                                                    {3, 11, 4, true},
+                                                    {3, 12, 0, true},
+                                                    {3, 12, 1, true},   // Debian unstable
+                                                    {3, 13, 0, true},
+                                                    {4, 0, 0, true}}) {
+    EXPECT_EQ(onednn_float32_gemm_is_signal_safe(major, minor, patch), safe) << major << "." << minor << "." << patch;
+  }
+}
+
+TEST(Linear, Float32RouteTakesASignalSafeGemm) {
+  // Float32 linear layers: oneDNN's GEMM where it is there and signal-safe, else qkv's float32
+  // micro-kernels where they are vectors (QKV_TILED_ISA avx2 and up), else LibTorch's; LibTorch's
+  // with QKV_LINEAR_GEMM=libtorch. linear_products() names the library first.
+  using qkv::detail::Float32Products;
+  const auto& gemm = OneDnnGemm::instance();
+  const auto route = qkv::detail::float32_products();
+  const auto products = qkv::linear_products();
+  const bool vector_kernels =
+      qkv::kernels::tiled::at_least(qkv::kernels::tiled::active_isa(), qkv::kernels::tiled::ProductIsa::Avx2);
+  SCOPED_TRACE(testing::Message() << qkv::tiled_instruction_set() << ": " << products);
+  if (qkv::kernels::linear::linear_gemm_choice() == LinearGemmChoice::LibTorch) {
+    EXPECT_EQ(route, Float32Products::LibTorch);
+  } else if (gemm.available()) {
+    EXPECT_EQ(route, Float32Products::OneDnn);
+    EXPECT_EQ(products.rfind(gemm.name(), 0), 0u);
+  } else if (vector_kernels) {
+    EXPECT_EQ(route, Float32Products::MicroKernels);
+    EXPECT_EQ(products.rfind("qkv's float32 micro-kernels (" + gemm.float32_unavailable_because() + ")", 0), 0u);
+  } else {
+    EXPECT_EQ(route, Float32Products::LibTorch);
+    EXPECT_EQ(products.rfind("LibTorch's (" + gemm.float32_unavailable_because(), 0), 0u);
+  }
+}
+
+// Signals for SignalsDuringProductsLeaveResultsAndHeapIntact: a handler that only counts.
+std::atomic<long> signals_handled{0};
+void count_signal(int) { signals_handled.fetch_add(1, std::memory_order_relaxed); }
+
+TEST(Linear, SignalsDuringProductsLeaveResultsAndHeapIntact) {
+  // A signal handled while a product runs (qkv-train's SIGINT / SIGTERM handlers, a profiler's
+  // SIGPROF) must not touch the product: oneDNN's float32 GEMM before 3.11.2 pointed rsp into its
+  // heap workspace, so the signal's frame landed in the heap (glibc then aborts with "corrupted
+  // size vs. prev_size", or results change). A stream of SIGUSR1 at this thread while the float32
+  // and bfloat16 routes run a linear layer's forward and backward at shapes whose products took
+  // that path (a 512-row weight gradient: 48 × 48 × 512): every result as without signals, and a
+  // large allocation afterwards (glibc checks the heap as it consolidates).
+  struct sigaction counting {}, previous {};
+  counting.sa_handler = count_signal;
+  sigemptyset(&counting.sa_mask);
+  ASSERT_EQ(sigaction(SIGUSR1, &counting, &previous), 0);
+  torch::manual_seed(23);
+  struct Shape {
+    int64_t rows, in, out;
+  };
+  for (bool bfloat16 : {false, true}) {
+    for (const auto& s : {Shape{512, 48, 48}, Shape{1024, 128, 384}}) {
+      SCOPED_TRACE(testing::Message() << (bfloat16 ? "bfloat16 autocast" : "float32") << ", " << s.rows << " rows, "
+                                      << s.in << " -> " << s.out << ", " << qkv::linear_products());
+      const auto x_values = torch::randn({s.rows, s.in}), w_values = torch::randn({s.out, s.in}) / 8,
+                 b_values = torch::randn({s.out}), probe = torch::randn({s.rows, s.out});
+      const auto step = [&] {
+        const auto x = x_values.clone().requires_grad_(true), w = w_values.clone().requires_grad_(true),
+                   b = b_values.clone().requires_grad_(true);
+        torch::Tensor y;
+        {
+          std::optional<qkv::AutocastGuard> autocast;
+          if (bfloat16) autocast.emplace(torch::kCPU, torch::kBFloat16);
+          y = qkv::detail::linear(x, w, b);
+        }
+        (y.to(torch::kFloat) * probe).sum().backward();
+        return std::vector<torch::Tensor>{y.detach().to(torch::kFloat), x.grad(), w.grad(), b.grad()};
+      };
+      const auto quiet = step();  // without signals
+      const pthread_t target = pthread_self();
+      std::atomic<bool> done{false};
+      std::thread sender([&] {
+        while (!done.load()) {
+          pthread_kill(target, SIGUSR1);
+          std::this_thread::sleep_for(std::chrono::microseconds(5));
+        }
+      });
+      const long before = signals_handled.load();
+      int steps = 0, differing = 0;
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(700);
+      while (std::chrono::steady_clock::now() < deadline || steps < 20) {
+        const auto loud = step();
+        for (size_t i = 0; i < loud.size(); ++i) differing += !torch::equal(loud[i], quiet[i]);
+        std::free(std::malloc(1 << 20));
+        ++steps;
+      }
+      done.store(true);
+      sender.join();
+      EXPECT_GT(signals_handled.load() - before, 100) << "the signals did not arrive during the products";
+      EXPECT_EQ(differing, 0) << "of " << steps << " steps' results";
+    }
+  }
+  sigaction(SIGUSR1, &previous, nullptr);
 }
 
 TEST(Linear, MatchesFloat64OverLayoutsAndSizes) {
   torch::manual_seed(11);
-  const bool routed = OneDnnGemm::instance().available();
+  const bool routed = qkv::detail::float32_products() != qkv::detail::Float32Products::LibTorch;
   struct Shape {
     int64_t batch, rows, in, out;
   };
-  // Small products stay on LibTorch's route (kOneDnnFromMultiplyAdds); the others are oneDNN's.
+  // Small products stay on LibTorch's route (kGemmRouteFromMultiplyAdds); the others take the GEMM route.
   for (const auto& s : {Shape{2, 5, 3, 7}, Shape{1, 1, 1, 1}, Shape{3, 33, 17, 65}, Shape{2, 64, 128, 384},
                         Shape{1, 130, 257, 31}, Shape{2, 40, 96, 161}, Shape{1, 4, 512, 256}}) {
     for (auto x_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced, OperandLayout::Expanded}) {
@@ -165,8 +313,8 @@ TEST(Linear, MatchesFloat64OverLayoutsAndSizes) {
 
           // The route the rule names ran (either would pass the checks above).
           const int64_t rows = (expanded ? 3 : s.batch) * s.rows;
-          const bool large = rows >= qkv::detail::kOneDnnFromRows &&
-                             rows * s.in * s.out >= qkv::detail::kOneDnnFromMultiplyAdds;
+          const bool large = rows >= qkv::detail::kGemmRouteFromRows &&
+                             rows * s.in * s.out >= qkv::detail::kGemmRouteFromMultiplyAdds;
           const auto y = qkv::detail::linear(x, w, b);
           EXPECT_EQ(graph_has(y, "GemmLinear"), routed && large) << linear_grad_fn_name(y);
         }
@@ -178,7 +326,7 @@ TEST(Linear, MatchesFloat64OverLayoutsAndSizes) {
 TEST(Linear, SecondOrderGradientsMatchFloat64) {
   // create_graph: the backward runs on LibTorch's differentiable ops, so a gradient penalty works.
   torch::manual_seed(12);
-  // 128 rows, 64 -> 96: large enough for oneDNN's route (kOneDnnFromMultiplyAdds).
+  // 128 rows, 64 -> 96: large enough for the GEMM route (kGemmRouteFromMultiplyAdds).
   const auto x_values = torch::randn({2, 64, 64}), w_values = torch::randn({96, 64}) / 8.0,
              b_values = torch::randn({96});
   auto penalty = [](auto linear, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
@@ -190,7 +338,7 @@ TEST(Linear, SecondOrderGradientsMatchFloat64) {
   };
   const auto x = x_values.clone().requires_grad_(true), w = w_values.clone().requires_grad_(true),
              b = b_values.clone().requires_grad_(true);
-  if (OneDnnGemm::instance().available()) {
+  if (qkv::detail::float32_products() != qkv::detail::Float32Products::LibTorch) {
     EXPECT_TRUE(graph_has(qkv::detail::linear(x, w, b), "GemmLinear"));
   }
   const auto got = penalty(qkv::detail::linear, x, w, b);
@@ -310,18 +458,22 @@ TEST(Linear, Bfloat16RouteFollowsTheCpusInstructions) {
     if (vector_kernels || gemm.available()) {
       EXPECT_EQ(route, Bfloat16Products::Float32);
       EXPECT_NE(products.find("on qkv's float32 micro-kernels"), std::string::npos);
-      // The float32 products' library comes first: oneDNN's, or LibTorch's and why.
-      EXPECT_EQ(products.rfind(gemm.available() ? "oneDNN " : "LibTorch's (", 0), 0u);
+      // The float32 products' library comes first (Linear.Float32RouteTakesASignalSafeGemm).
+      EXPECT_NE(products.find(gemm.available() ? " (bfloat16 autocast too, on qkv's float32 micro-kernels"
+                                               : "; bfloat16 autocast on qkv's float32 micro-kernels"),
+                std::string::npos);
     } else {
       EXPECT_EQ(route, Bfloat16Products::LibTorch);
-      EXPECT_EQ(products.find("micro-kernels"), std::string::npos);
+      EXPECT_EQ(products.find("bfloat16 autocast"), std::string::npos);
     }
   } else if (usable == ProductIsa::AmxBf16) {
     EXPECT_EQ(route, Bfloat16Products::LibTorch);
   } else if (qkv::kernels::tiled::active_isa() == ProductIsa::Avx512Bf16 &&
              OneDnnGemm::instance().bfloat16_available()) {
     EXPECT_EQ(route, Bfloat16Products::OneDnnBfloat16);
-    EXPECT_NE(qkv::linear_products().find("(bfloat16 autocast too)"), std::string::npos);
+    EXPECT_NE(products.find(gemm.available() ? " (bfloat16 autocast too)"
+                                             : "; bfloat16 autocast on " + gemm.name() + "'s bfloat16 GEMM"),
+              std::string::npos);
   } else {
     EXPECT_EQ(route, Bfloat16Products::LibTorch);
   }
@@ -343,7 +495,7 @@ TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
   const bool float32_route = qkv::detail::bfloat16_products() == qkv::detail::Bfloat16Products::Float32;
   for (const auto& s : {Shape{2, 64, 128, 384}, Shape{1, 300, 96, 161}, Shape{1, 4, 512, 256}, Shape{1, 1, 128, 384},
                         Shape{1, 1100, 40, 48}}) {
-    const bool large = s.batch * s.rows * s.in * s.out >= qkv::detail::kOneDnnFromMultiplyAdds;
+    const bool large = s.batch * s.rows * s.in * s.out >= qkv::detail::kGemmRouteFromMultiplyAdds;
     for (auto x_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced}) {
       for (auto w_layout : {OperandLayout::Contiguous, OperandLayout::Transposed}) {
         for (auto x_dtype : {torch::kFloat, torch::kBFloat16}) {
@@ -412,7 +564,8 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
     gemms.push_back(Bfloat16Gemm::Float32);
   }
   if (OneDnnGemm::instance().bfloat16_available()) gemms.push_back(Bfloat16Gemm::OneDnn);
-  if (gemms.empty()) GTEST_SKIP() << "plain C++ micro-kernels and " << OneDnnGemm::instance().description();
+  if (gemms.empty()) GTEST_SKIP() << "plain C++ micro-kernels and no oneDNN float32 GEMM: "
+                  << OneDnnGemm::instance().float32_unavailable_because();
   torch::manual_seed(21);
   const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
   struct Shape {
@@ -455,6 +608,47 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
   }
 }
 
+TEST(Linear, Float32ProductsOnMicroKernelsMatchFloat64) {
+  // multiply_float32 (the float32 linear layers' products where oneDNN's GEMM is not taken): each
+  // transpose of A and B, stored inside wider matrices (row stride > columns), over a block of rows
+  // split among tasks and over a long sum split in groups, beta 0 into a C full of NaN (never read)
+  // and beta 1 (accumulated), against float64. Correct on every instruction set (plain C++ too).
+  torch::manual_seed(24);
+  struct Shape {
+    int64_t m, k, n;
+  };
+  // 600 rows: 3 blocks of rows; k = 2100: 3 groups of the sum (2 · 1024 + 52), 9 chunks of 256
+  for (const auto shape : {Shape{600, 300, 40}, Shape{48, 2100, 48}, Shape{5, 7, 3}}) {
+    const int64_t m = shape.m, k = shape.k, n = shape.n;
+    for (bool transpose_a : {false, true}) {
+      for (bool transpose_b : {false, true}) {
+        for (float beta : {0.0f, 1.0f}) {
+          SCOPED_TRACE(testing::Message() << "m " << m << ", k " << k << ", n " << n << (transpose_a ? ", Aᵀ" : "")
+                                          << (transpose_b ? ", Bᵀ" : "") << ", beta " << beta);
+          // op(A) (m × k) and op(B) (k × n) stored as the transpose says, 3 columns to spare per row
+          const auto a_stored = torch::randn(transpose_a ? std::vector<int64_t>{k, m + 3} : std::vector<int64_t>{m, k + 3});
+          const auto b_stored = torch::randn(transpose_b ? std::vector<int64_t>{n, k + 3} : std::vector<int64_t>{k, n + 3});
+          const auto a = transpose_a ? a_stored.narrow(1, 0, m).t() : a_stored.narrow(1, 0, k);
+          const auto b = transpose_b ? b_stored.narrow(1, 0, k).t() : b_stored.narrow(1, 0, n);
+          const auto c_before = torch::randn({m, n + 2});
+          auto c = beta == 0.0f ? torch::full({m, n + 2}, std::numeric_limits<float>::quiet_NaN()) : c_before.clone();
+          qkv::kernels::linear::multiply_float32(transpose_a, transpose_b, m, n, k, a_stored.data_ptr<float>(),
+                                                 a_stored.size(1), b_stored.data_ptr<float>(), b_stored.size(1), beta,
+                                                 c.data_ptr<float>(), c.size(1));
+          auto want = a.to(torch::kDouble).mm(b.to(torch::kDouble));
+          if (beta != 0.0f) want += c_before.narrow(1, 0, n).to(torch::kDouble);
+          const auto got = c.narrow(1, 0, n);
+          ASSERT_TRUE(torch::isfinite(got).all().item<bool>());
+          EXPECT_LT(relative_error(got.to(torch::kDouble), want), tolerance_for(torch::kFloat, k));
+          // The columns past n are not C's: left as they were.
+          const auto spare = c.narrow(1, n, 2);
+          EXPECT_TRUE(beta == 0.0f ? torch::isnan(spare).all().item<bool>() : torch::equal(spare, c_before.narrow(1, n, 2)));
+        }
+      }
+    }
+  }
+}
+
 TEST(Linear, Bfloat16GradientsInOnePassMatchFloat64) {
   // The float32 route's backward in one pass (linear_gradients_widened): each block of grad
   // widened once for dx = grad · W, dW = gradᵀ · x and db = its column sums, over 3 groups of rows
@@ -464,7 +658,8 @@ TEST(Linear, Bfloat16GradientsInOnePassMatchFloat64) {
   // some inputs require grad.
   using qkv::kernels::linear::linear_gradients_widened;
   if (!qkv::kernels::linear::float32_products_on_micro_kernels() && !OneDnnGemm::instance().available()) {
-    GTEST_SKIP() << "plain C++ micro-kernels and " << OneDnnGemm::instance().description();
+    GTEST_SKIP() << "plain C++ micro-kernels and no oneDNN float32 GEMM: "
+                  << OneDnnGemm::instance().float32_unavailable_because();
   }
   torch::manual_seed(22);
   const int64_t M = 2100, N = 384, K = 128;

@@ -41,20 +41,24 @@ AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
 std::string tiled_instruction_set();
 
 /// Which library multiplies qkv's linear layers on the CPU (W_q, W_k, W_v, W_o, the
-/// TransformerBlock's MLP): "oneDNN 2.6.3" where the process has LibTorch's oneDNN (Debian's
-/// LibTorch links it), whose GEMM qkv calls for the forward and both gradients' products in float32;
-/// "oneDNN 2.6.3 (bfloat16 autocast too)" where products under CPU autocast to bfloat16 also go to
-/// oneDNN's bfloat16 GEMM (a CPU with AVX512_BF16 and no AMX: AMD Zen 4 and later); "oneDNN 2.6.3
-/// (bfloat16 autocast too, on qkv's float32 micro-kernels: no bfloat16 instructions)" where they go
-/// to qkv's own float32 micro-kernels on the operands rounded to bfloat16 (a CPU without
-/// AVX512_BF16 and AMX, where LibTorch's bfloat16 products are its own slow loops); otherwise
-/// "LibTorch's (why)": at::addmm / at::linear, OpenBLAS on Debian, followed on such a CPU by
-/// "; bfloat16 autocast on qkv's float32 micro-kernels (no bfloat16 instructions)" (they need no
-/// oneDNN). The environment variable QKV_LINEAR_GEMM, read once, compares: "libtorch" keeps every
-/// product on LibTorch's, "no-onednn" does as if the process had no oneDNN; any other value is
-/// refused (c10::Error naming the accepted ones) by the first linear layer. Products under 2^19
-/// multiply-adds or 4 rows (a decoded token's), float16 and float64, and other devices always use
-/// LibTorch's.
+/// TransformerBlock's MLP), float32 first: "oneDNN 3.12.1" where the process has LibTorch's oneDNN
+/// (Debian's LibTorch links it) and its float32 GEMM is signal-safe (oneDNN 3.11.2, 3.12 and
+/// later), which qkv calls for the forward and both gradients' products; "qkv's float32
+/// micro-kernels (why)" where it is not (Debian 12's 2.6.3 and 13's 3.7.2: a signal handled during
+/// one of its products corrupted the heap, oneDNN issue #4845) or qkv finds none, and the tiled
+/// kernel's instruction set has vector micro-kernels (AVX2 and up); otherwise "LibTorch's (why)":
+/// at::addmm / at::linear, OpenBLAS on Debian. Then bfloat16 autocast's route: " (bfloat16
+/// autocast too)" or "; bfloat16 autocast on oneDNN 2.6.3's bfloat16 GEMM" where its products go
+/// to oneDNN's bfloat16 GEMM (a CPU with AVX512_BF16 and no AMX: AMD Zen 4 and later); " (bfloat16
+/// autocast too, on qkv's float32 micro-kernels: no bfloat16 instructions)" or "; bfloat16
+/// autocast on qkv's float32 micro-kernels (no bfloat16 instructions)" where they go to qkv's own
+/// float32 micro-kernels on the operands rounded to bfloat16 (a CPU without AVX512_BF16 and AMX,
+/// where LibTorch's bfloat16 products are its own slow loops); nothing where LibTorch's bfloat16
+/// products take them (AMX). The environment variable QKV_LINEAR_GEMM, read once, compares:
+/// "libtorch" keeps every product on LibTorch's, "no-onednn" does as if the process had no oneDNN;
+/// any other value is refused (c10::Error naming the accepted ones) by the first linear layer.
+/// Products under 2^19 multiply-adds or 4 rows (a decoded token's), float16 and float64, and other
+/// devices always use LibTorch's.
 std::string linear_products();
 
 /// The CPU OpenBLAS chose its kernels for ("SkylakeX", "Cooperlake", "Zen", ...; "" without

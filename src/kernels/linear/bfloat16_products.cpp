@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 // at::parallel_for is an inline `#pragma omp parallel` in an OpenMP build of LibTorch: compiled
@@ -106,21 +107,31 @@ static_assert(kChunksPerGroup * kSumChunk == kRowsPerSumGroup, "a group of the s
 using tiled::PackedRight;
 using tiled::Strided;
 
-// A stored bfloat16 matrix with row stride ld, or its transpose (transposed): element (r, c) of
-// the operand.
+// A stored matrix with row stride ld, or its transpose (transposed): element (r, c) of the operand.
+template <typename T>
+Strided<T> matrix_view(const T* values, int64_t ld, bool transposed) {
+  return transposed ? Strided<T>{values, 1, ld} : Strided<T>{values, ld, 1};
+}
 Strided<c10::BFloat16> bfloat16_view(const uint16_t* bits, int64_t ld, bool transposed) {
-  const auto* values = reinterpret_cast<const c10::BFloat16*>(bits);
-  return transposed ? Strided<c10::BFloat16>{values, 1, ld} : Strided<c10::BFloat16>{values, ld, 1};
+  return matrix_view(reinterpret_cast<const c10::BFloat16*>(bits), ld, transposed);
 }
 
-// The right operand op(B) (k × n, bfloat16) of float32 products, made ready once and multiplied
-// by any number of left operands: packed, widened on the way, for qkv's float32 micro-kernels
-// where the tiled kernel's instruction set has them in vectors (AVX2 + FMA, AVX-512); else (plain
-// C++: another architecture, or an x86 CPU without AVX2, where the micro-kernels ran at 5 GFLOP/s
-// against oneDNN's 205 on AMD EPYC Zen 5) widened to a float32 matrix for oneDNN's float32 GEMM.
+// The right operand op(B) (k × n, bfloat16 or float32) of float32 products, made ready once and
+// multiplied by any number of left operands: packed (bfloat16 widened on the way) for qkv's float32
+// micro-kernels where the tiled kernel's instruction set has them in vectors (AVX2 + FMA,
+// AVX-512). Elsewhere (plain C++: another architecture, or an x86 CPU without AVX2, where the
+// micro-kernels ran at 5 GFLOP/s against oneDNN's 205 on AMD EPYC Zen 5) bfloat16 is widened to a
+// float32 matrix for oneDNN's float32 GEMM; float32 still packs for the micro-kernels (right, if
+// slow: the linear layers route float32 here only where they are vectors, linear.h).
 class Float32Right {
  public:
   Float32Right() : micro_kernels_(float32_products_on_micro_kernels()) {}
+
+  void prepare(bool transposed, int64_t k, int64_t n, const float* b, int64_t ldb) {
+    k_ = k, n_ = n, transposed_ = transposed;
+    micro_kernels_ = true;
+    packed_.pack(matrix_view(b, ldb, transposed), k, n, {tiled::active_isa(), /*bf16=*/false});
+  }
 
   void prepare(bool transposed, int64_t k, int64_t n, const uint16_t* b, int64_t ldb) {
     k_ = k, n_ = n, transposed_ = transposed;
@@ -146,8 +157,11 @@ class Float32Right {
                                     transposed_ ? k_ : n_, beta, c, ldc);
   }
 
-  // The same with A bfloat16 rows (row stride lda), on this thread: the micro-kernels widen them
+  // The same with A's rows (row stride lda), on this thread: bfloat16 ones the micro-kernels widen
   // themselves, a block of rows at a time.
+  void multiply_rows(const float* a, int64_t lda, int64_t m, float beta, float* c, int64_t ldc) const {
+    multiply(matrix_view(a, lda, false), m, beta, c, ldc);
+  }
   void multiply_rows(const uint16_t* a, int64_t lda, int64_t m, float beta, float* c, int64_t ldc) const {
     if (micro_kernels_) {
       tiled::multiply(bfloat16_view(a, lda, false), m, packed_, 1.0f, beta, c, ldc);
@@ -167,28 +181,75 @@ class Float32Right {
   std::vector<float> widened_;
 };
 
-// multiply_bfloat16 with float32 products, on this thread: the sum over k in chunks, each chunk of
-// op(B) (chunk × n) made ready and multiplied by that chunk of op(A): A's rows as stored, or a
-// transposed A's (chunk rows of m values) widened here and read through a transposed view.
-void multiply_by_chunks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const uint16_t* a,
-                        int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+// A product's float32 products on this thread (T: float, or uint16_t for bfloat16 bits): the sum
+// over k in chunks, each chunk of op(B) (chunk × n) made ready and multiplied by that chunk of
+// op(A): A's rows as stored, or a transposed A's (chunk rows of m values) read through a transposed
+// view, widened here first where bfloat16.
+template <typename T>
+void multiply_by_chunks(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda,
+                        const T* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  constexpr bool widened = std::is_same_v<T, uint16_t>;
   Float32Right right;
   thread_local std::vector<float> a_kept;
-  const Scratch a_scratch(a_kept, transpose_a ? std::min(k, kSumChunk) * m : 0);
+  const Scratch a_scratch(a_kept, widened && transpose_a ? std::min(k, kSumChunk) * m : 0);
   for (int64_t first = 0; first < k; first += kSumChunk) {
     const int64_t chunk = std::min(kSumChunk, k - first);
     const float chunk_beta = first == 0 ? beta : 1.0f;
     // op(A)[:, first:first+chunk] and op(B)[first:first+chunk, :] as stored
-    const uint16_t* a_part = transpose_a ? a + first * lda : a + first;
-    const uint16_t* b_part = transpose_b ? b + first : b + first * ldb;
+    const T* a_part = transpose_a ? a + first * lda : a + first;
+    const T* b_part = transpose_b ? b + first : b + first * ldb;
     right.prepare(transpose_b, chunk, n, b_part, ldb);
-    if (transpose_a) {
+    if (!transpose_a) {
+      right.multiply_rows(a_part, lda, m, chunk_beta, c, ldc);
+    } else if constexpr (widened) {
       widen_block(a_part, lda, chunk, m, a_scratch.data());
       right.multiply(Strided<float>{a_scratch.data(), 1, m}, m, chunk_beta, c, ldc);
     } else {
-      right.multiply_rows(a_part, lda, m, chunk_beta, c, ldc);
+      right.multiply(Strided<float>{a_part, 1, lda}, m, chunk_beta, c, ldc);
     }
   }
+}
+
+// C = op(A) · op(B) + beta · C by float32 products (T as above), spread over the threads: blocks
+// of C's rows, or a long sum (a weight's gradient) in groups added in a fixed order.
+template <typename T>
+void multiply_on_float32_route(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const T* a,
+                               int64_t lda, const T* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (at::in_parallel_region()) {  // a task of the caller's: on this thread
+    multiply_by_chunks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  if (!transpose_a && m > kRowsPerTask) {  // blocks of C's rows, one task each, all reading op(B)
+    Float32Right right;
+    right.prepare(transpose_b, k, n, b, ldb);
+    at::parallel_for(0, (m + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t first = task * kRowsPerTask, rows = std::min(kRowsPerTask, m - first);
+        right.multiply_rows(a + first * lda, lda, rows, beta, c + first * ldc, ldc);
+      }
+    });
+    return;
+  }
+  // A long sum (a weight's gradient: k = the rows): groups of it, one task each, each into a C of
+  // its own, added in a fixed order (the result does not depend on the threads).
+  const int64_t group = kSumChunk * kChunksPerGroup, groups = (k + group - 1) / group;
+  if (groups == 1) {
+    multiply_by_chunks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  thread_local std::vector<float> partial_kept;
+  const Scratch partial_scratch(partial_kept, groups * m * n);
+  float* partial = partial_scratch.data();  // every group writes its m × n (beta 0)
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * group, length = std::min(group, k - first);
+      // op(A)[:, first:] and op(B)[first:, :] as stored
+      const T* a_part = transpose_a ? a + first * lda : a + first;
+      const T* b_part = transpose_b ? b + first : b + first * ldb;
+      multiply_by_chunks(transpose_a, transpose_b, m, n, length, a_part, lda, b_part, ldb, 0.0f, partial + g * m * n, n);
+    }
+  });
+  add_groups(partial, groups, m * n, m, n, beta, c, ldc);
 }
 
 }  // namespace
@@ -225,41 +286,12 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
     OneDnnGemm::instance().multiply_bf16(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
     return;
   }
-  if (at::in_parallel_region()) {  // a task of the caller's: on this thread
-    multiply_by_chunks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
-    return;
-  }
-  if (!transpose_a && m > kRowsPerTask) {  // blocks of C's rows, one task each, all reading op(B)
-    Float32Right right;
-    right.prepare(transpose_b, k, n, b, ldb);
-    at::parallel_for(0, (m + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t first = task * kRowsPerTask, rows = std::min(kRowsPerTask, m - first);
-        right.multiply_rows(a + first * lda, lda, rows, beta, c + first * ldc, ldc);
-      }
-    });
-    return;
-  }
-  // A long sum (a weight's gradient: k = the rows): groups of it, one task each, each into a C of
-  // its own, added in a fixed order (the result does not depend on the threads).
-  const int64_t group = kSumChunk * kChunksPerGroup, groups = (k + group - 1) / group;
-  if (groups == 1) {
-    multiply_by_chunks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
-    return;
-  }
-  thread_local std::vector<float> partial_kept;
-  const Scratch partial_scratch(partial_kept, groups * m * n);
-  float* partial = partial_scratch.data();  // every group writes its m × n (beta 0)
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = g * group, length = std::min(group, k - first);
-      // op(A)[:, first:] and op(B)[first:, :] as stored
-      const uint16_t* a_part = transpose_a ? a + first * lda : a + first;
-      const uint16_t* b_part = transpose_b ? b + first : b + first * ldb;
-      multiply_by_chunks(transpose_a, transpose_b, m, n, length, a_part, lda, b_part, ldb, 0.0f, partial + g * m * n, n);
-    }
-  });
-  add_groups(partial, groups, m * n, m, n, beta, c, ldc);
+  multiply_on_float32_route(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+}
+
+void multiply_float32(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                      const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  multiply_on_float32_route(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
 }
 
 at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, const Bf16Operand& a,

@@ -61,6 +61,16 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
                        const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
                        int64_t ldc);
 
+/// The same product with A and B in float32, on qkv's float32 micro-kernels as Bfloat16Gemm::Float32
+/// multiplies (op(B) packed once, blocks of C's rows or a long sum's groups as tasks, the sum's
+/// groups added in a fixed order: the result does not depend on the threads). Where the tiled
+/// kernel's instruction set is portable the micro-kernels are plain C++: right, but about 40× slower
+/// than a BLAS (the linear layers then use LibTorch's products, linear.h). For float32 linear
+/// layers where the process's oneDNN GEMM cannot be used (onednn_gemm.h: none loaded, or one that
+/// is not signal-safe).
+void multiply_float32(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                      const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
 /// A bfloat16 matrix operand of a product: row-major with row stride `ld`, or (transposed) its
 /// transpose stored so.
 struct Bf16Operand {

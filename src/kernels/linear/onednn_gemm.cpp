@@ -53,13 +53,18 @@ LinearGemmChoice linear_gemm_choice() {
   return chosen;
 }
 
+bool onednn_float32_gemm_is_signal_safe(int major, int minor, int patch) {
+  if (major != 3) return major > 3;
+  return minor > 11 || (minor == 11 && patch >= 2);
+}
+
 OneDnnGemm::OneDnnGemm() {
   switch (linear_gemm_choice()) {
     case LinearGemmChoice::LibTorch:
-      description_ = "LibTorch's (QKV_LINEAR_GEMM=libtorch)";
+      float32_unavailable_because_ = "QKV_LINEAR_GEMM=libtorch";
       return;
     case LinearGemmChoice::WithoutOneDnn:
-      description_ = "LibTorch's (QKV_LINEAR_GEMM=no-onednn: oneDNN not looked up)";
+      float32_unavailable_because_ = "QKV_LINEAR_GEMM=no-onednn: oneDNN not looked up";
       return;
     case LinearGemmChoice::Fastest: break;
   }
@@ -78,10 +83,24 @@ OneDnnGemm::OneDnnGemm() {
     }
   }
   if (!symbol) {
-    description_ = "LibTorch's (no oneDNN with dnnl_sgemm loaded)";
+    float32_unavailable_because_ = "no oneDNN with dnnl_sgemm loaded";
     return;
   }
-  sgemm_ = reinterpret_cast<Sgemm>(symbol);
+  const DnnlVersion* version =
+      version_symbol ? reinterpret_cast<const DnnlVersion* (*)()>(version_symbol)() : nullptr;
+  name_ = "oneDNN";
+  if (version) {
+    name_ += " " + std::to_string(version->major) + "." + std::to_string(version->minor) + "." +
+             std::to_string(version->patch);
+  }
+  // A oneDNN that does not say its version is taken for one without the fix.
+  if (version && onednn_float32_gemm_is_signal_safe(version->major, version->minor, version->patch)) {
+    sgemm_ = reinterpret_cast<Sgemm>(symbol);
+  } else {
+    float32_unavailable_because_ = name_ +
+                                   "'s float32 GEMM left out: a signal handled during one of its products "
+                                   "corrupts the heap (oneDNN issue #4845, fixed in 3.11.2)";
+  }
   if (bf16_symbol) {
     // 1.5 · 2 + 1 = 4, every value exact in bfloat16: a oneDNN that refuses (no AVX-512) or
     // computes something else is not used.
@@ -89,14 +108,6 @@ OneDnnGemm::OneDnnGemm() {
     const uint16_t a = 0x3FC0, b = 0x4000;  // 1.5, 2.0
     float c = 1.0f;
     if (bf16('N', 'N', 1, 1, 1, 1.0f, &a, 1, &b, 1, 1.0f, &c, 1) == 0 && c == 4.0f) bf16_gemm_ = bf16;
-  }
-  description_ = "oneDNN";
-  if (version_symbol) {
-    const auto* version = reinterpret_cast<const DnnlVersion* (*)()>(version_symbol)();
-    if (version) {
-      description_ += " " + std::to_string(version->major) + "." + std::to_string(version->minor) + "." +
-                      std::to_string(version->patch);
-    }
   }
 }
 
@@ -107,8 +118,8 @@ const OneDnnGemm& OneDnnGemm::instance() {
 
 void OneDnnGemm::multiply(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a,
                            int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) const {
-  TORCH_CHECK(sgemm_ && m > 0 && n > 0 && k > 0, "qkv: OneDnnGemm::multiply needs oneDNN (", description_,
-              ") and m, n, k > 0, got ", m, ", ", n, ", ", k);
+  TORCH_CHECK(sgemm_ && m > 0 && n > 0 && k > 0, "qkv: OneDnnGemm::multiply needs oneDNN's float32 GEMM (",
+              float32_unavailable_because_, ") and m, n, k > 0, got ", m, ", ", n, ", ", k);
   const int status =
       sgemm_(transpose_a ? 'T' : 'N', transpose_b ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
   TORCH_CHECK(status == 0, "qkv: oneDNN's dnnl_sgemm refused a ", m, "x", k, " by ", k, "x", n,
@@ -120,7 +131,7 @@ void OneDnnGemm::multiply_bf16(bool transpose_a, bool transpose_b, int64_t m, in
                                const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c,
                                int64_t ldc) const {
   TORCH_CHECK(bf16_gemm_ && m > 0 && n > 0 && k > 0, "qkv: OneDnnGemm::multiply_bf16 needs oneDNN's bfloat16 GEMM (",
-              description_, ") and m, n, k > 0, got ", m, ", ", n, ", ", k);
+              name_.empty() ? "no oneDNN" : name_, ") and m, n, k > 0, got ", m, ", ", n, ", ", k);
   const int status =
       bf16_gemm_(transpose_a ? 'T' : 'N', transpose_b ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
   TORCH_CHECK(status == 0, "qkv: oneDNN's dnnl_gemm_bf16bf16f32 refused a ", m, "x", k, " by ", k, "x", n,

@@ -8,8 +8,18 @@
 // LibTorch links (3.7 and 3.12 against 3.6), and two oneDNNs in one process share their exported
 // names. It looks up `dnnl_sgemm` among the libraries already loaded instead; where there is none
 // (a LibTorch with oneDNN linked in statically and hidden, as the official downloads have it, or
-// built without it) float32 linear layers stay on LibTorch's own products (see linear.h for
-// bfloat16's).
+// built without it) float32 linear layers run on qkv's own micro-kernels, or LibTorch's products
+// where those are plain C++ (linear.h).
+//
+// oneDNN's float32 GEMM is taken only from a oneDNN whose JIT kernels keep the stack pointer
+// (3.11.2, 3.12 and later): before, its AVX2 and AVX-512 kernels pointed rsp into a heap workspace
+// while they ran, so a signal handled during a product wrote its frame into the heap (oneDNN issue
+// #4845, fixed by 6191181). Debian 12's 2.6.3 and Debian 13's 3.7.2 are such: a Ctrl-C or SIGTERM
+// to qkv-train (whose handlers save a checkpoint), or a profiler's SIGPROF, corrupted the heap
+// (glibc: "corrupted size vs. prev_size"; reproduced on AMD EPYC Zen 5 with dnnl_sgemm alone,
+// 48 × 512 by 512 × 48, and in qkv-train's distributed test). There the float32 linear layers run on
+// qkv's own micro-kernels (linear.h). The bfloat16 GEMM has no such code (the fix touched the
+// float32 kernels only; 2.6.3's passed the same signal storm at the lm's shapes) and stays.
 //
 // `dnnl_gemm_bf16bf16f32`, with the signature of dnnl_sgemm but bfloat16 A and B (oneDNN's own
 // tests declare it; dnnl.h does not), is exported by the oneDNNs of Debian 12, 13 and unstable
@@ -38,6 +48,10 @@ enum class LinearGemmChoice {
 /// multiplied on a route the variable did not ask for).
 LinearGemmChoice linear_gemm_choice();
 
+/// Whether oneDNN major.minor.patch's float32 GEMM keeps the stack pointer while it runs (see the
+/// top of this file): 3.11.2 and later on the 3.11 branch, 3.12.0 and later.
+bool onednn_float32_gemm_is_signal_safe(int major, int minor, int patch);
+
 /// The loaded oneDNN's GEMMs, or none.
 class OneDnnGemm {
  public:
@@ -45,11 +59,16 @@ class OneDnnGemm {
   /// not Fastest.
   static const OneDnnGemm& instance();
 
+  /// Whether the float32 GEMM is there and safe to call (a oneDNN with the signal fix).
   bool available() const { return sgemm_ != nullptr; }
-  /// Whether the bfloat16 GEMM is there too, and works on this CPU.
+  /// Whether the bfloat16 GEMM is there, and works on this CPU.
   bool bfloat16_available() const { return bf16_gemm_ != nullptr; }
-  /// "oneDNN 2.6.3", or why it is unavailable.
-  const std::string& description() const { return description_; }
+  /// "oneDNN 2.6.3" (the loaded oneDNN, or "oneDNN" where it has no dnnl_version), or "" where none
+  /// was found or looked up.
+  const std::string& name() const { return name_; }
+  /// Where the float32 GEMM is unavailable, why: "QKV_LINEAR_GEMM=libtorch", "no oneDNN with
+  /// dnnl_sgemm loaded", or that the loaded one's float32 GEMM is not signal-safe; "" where available.
+  const std::string& float32_unavailable_because() const { return float32_unavailable_because_; }
 
   /// C (m × n, row-major, row stride ldc) = A · B + beta · C, where A is m × k and B is k × n, each
   /// row-major with the given row stride, or transposed ('T': the matrix stored is its transpose,
@@ -71,7 +90,7 @@ class OneDnnGemm {
                            int64_t, float, float*, int64_t);
   Sgemm sgemm_ = nullptr;
   Bf16Gemm bf16_gemm_ = nullptr;
-  std::string description_;
+  std::string name_, float32_unavailable_because_;
 };
 
 }  // namespace qkv::kernels::linear
