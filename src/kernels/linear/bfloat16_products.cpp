@@ -125,17 +125,16 @@ Strided<c10::BFloat16> bfloat16_view(const uint16_t* bits, int64_t ld, bool tran
 // slow: the linear layers route float32 here only where they are vectors, linear.h).
 class Float32Right {
  public:
-  Float32Right() : micro_kernels_(float32_products_on_micro_kernels()) {}
+  Float32Right() : vector_micro_kernels_(float32_products_on_micro_kernels()) {}
 
   void prepare(bool transposed, int64_t k, int64_t n, const float* b, int64_t ldb) {
-    k_ = k, n_ = n, transposed_ = transposed;
-    micro_kernels_ = true;
+    k_ = k, n_ = n, transposed_ = transposed, packed_for_micro_kernels_ = true;
     packed_.pack(matrix_view(b, ldb, transposed), k, n, {tiled::active_isa(), /*bf16=*/false});
   }
 
   void prepare(bool transposed, int64_t k, int64_t n, const uint16_t* b, int64_t ldb) {
-    k_ = k, n_ = n, transposed_ = transposed;
-    if (micro_kernels_) {
+    k_ = k, n_ = n, transposed_ = transposed, packed_for_micro_kernels_ = vector_micro_kernels_;
+    if (packed_for_micro_kernels_) {
       packed_.pack(bfloat16_view(b, ldb, transposed), k, n, {tiled::active_isa(), /*bf16=*/false});
       return;
     }
@@ -147,7 +146,7 @@ class Float32Right {
   // C (m × n, row stride ldc) = A · op(B) + beta · C, A float32 (m × k) stored by rows
   // (col_stride 1) or transposed (row_stride 1); beta 0 never reads C.
   void multiply(Strided<float> a, int64_t m, float beta, float* c, int64_t ldc) const {
-    if (micro_kernels_) {
+    if (packed_for_micro_kernels_) {
       tiled::multiply(a, m, packed_, 1.0f, beta, c, ldc);
       return;
     }
@@ -163,7 +162,7 @@ class Float32Right {
     multiply(matrix_view(a, lda, false), m, beta, c, ldc);
   }
   void multiply_rows(const uint16_t* a, int64_t lda, int64_t m, float beta, float* c, int64_t ldc) const {
-    if (micro_kernels_) {
+    if (packed_for_micro_kernels_) {
       tiled::multiply(bfloat16_view(a, lda, false), m, packed_, 1.0f, beta, c, ldc);
       return;
     }
@@ -174,7 +173,8 @@ class Float32Right {
   }
 
  private:
-  bool micro_kernels_;
+  const bool vector_micro_kernels_;        // the tiled kernel's instruction set has them in vectors
+  bool packed_for_micro_kernels_ = false;  // op(B) lies in packed_ (else widened_, for oneDNN)
   int64_t k_ = 0, n_ = 0;
   bool transposed_ = false;
   PackedRight packed_;
