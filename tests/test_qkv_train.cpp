@@ -227,6 +227,19 @@ TEST(TrainTasks, DivergingLossStopsWithStepAndHint) {
   EXPECT_THAT(run.output, HasSubstr("lower --lr"));
 }
 
+// Outside training Ctrl-C ends qkv-train at once, as it ends any program: the scaling experiment
+// (several seconds of training runs, its files written at the end) stopped a second in is ended
+// by the signal (the shell's 130) and leaves no files, where a caught signal would let it finish.
+TEST(TrainTasks, CtrlCOutsideTrainingEndsTheProgramAtOnce) {
+  const auto out = fresh_dir("sigint_untrained");
+  const std::string command = std::string(QKV_TRAIN_PATH) + " --task scaling --device cpu --quiet --out " +
+                              out.string() + " & pid=$!; sleep 1; kill -INT $pid; wait $pid; echo exit=$?";
+  auto run = qkv_test::run_command(command);
+  EXPECT_THAT(run.output, HasSubstr("exit=130"));
+  EXPECT_FALSE(fs::exists(out / "scaling.csv"));
+  fs::remove_all(out);
+}
+
 TEST(TrainTasks, SigtermWritesACheckpointAndExits143) {
   const auto out = fresh_dir("sigterm");
   const std::string command = std::string(QKV_TRAIN_PATH) + " " + kSmallReverse + "--steps 100000000 --out " +

@@ -10,8 +10,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 
 namespace {
 
@@ -207,6 +209,38 @@ TEST(LanguageModel, CheckpointedActivationsTrainExactlyAsThePlainModel) {
   EXPECT_EQ(actual, expected);
   EXPECT_EQ(max_weight_difference(plain / "model.pt", checkpointed / "model.pt"), 0.0);
   fs::remove_all(plain), fs::remove_all(checkpointed);
+}
+
+// SIGINT and SIGTERM reach qkv-train on one thread of its own (apps/qkv-train/stop_signals.h): every
+// other thread, the products' included, blocks both, so no handler ever runs on a thread in the
+// middle of a product (oneDNN issue #4845 corrupted the heap that way). The kernel's view of each
+// thread's mask (SigBlk in /proc/PID/task/TID/status) while the model trains on 2 threads: one
+// thread takes them (sigwait unblocks them while it waits), the rest block them.
+TEST(LanguageModel, OnlyTheSignalThreadTakesStopSignals) {
+  const auto out = fresh_dir("lm_signal_thread");
+  const std::string command =
+      std::string(QKV_TRAIN_PATH) + " " + kSmallLm + "--threads 2 --steps 100000000 --out " + out.string() +
+      " 2> /dev/null & pid=$!; for i in $(seq 600); do [ -s " + (out / "metrics.csv").string() +
+      " ] && break; sleep 0.1; done; sleep 0.5; for t in /proc/$pid/task/*; do "
+      "echo \"mask $(awk '/^SigBlk/ { print $2 }' $t/status)\"; done; kill -INT $pid; wait $pid; echo exit=$?";
+  const auto run = qkv_test::run_command(command);
+  constexpr unsigned long long kStopSignals = (1ULL << (SIGINT - 1)) | (1ULL << (SIGTERM - 1));
+  int blocking = 0, taking = 0, threads = 0;
+  std::istringstream lines(run.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("mask ", 0) != 0) continue;
+    const auto mask = std::stoull(line.substr(5), nullptr, 16);
+    ++threads;
+    blocking += (mask & kStopSignals) == kStopSignals;
+    taking += (mask & kStopSignals) == 0;
+  }
+  EXPECT_GE(threads, 3) << "expected the main thread, the signal thread and a worker:\n" << run.output;
+  EXPECT_EQ(taking, 1) << run.output;
+  EXPECT_EQ(blocking, threads - 1) << run.output;
+  // The signal still stops the run as a handler did: the step finishes, a checkpoint, exit 130.
+  EXPECT_THAT(run.output, HasSubstr("exit=130"));
+  EXPECT_TRUE(fs::exists(out / "checkpoint.pt"));
+  fs::remove_all(out);
 }
 
 // Checkpointed activations and bf16-mixed precision with two data-parallel ranks: the replicas

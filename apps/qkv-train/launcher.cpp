@@ -1,5 +1,7 @@
 #include "launcher.h"
 
+#include "stop_signals.h"
+
 #include <spdlog/spdlog.h>
 
 #include <arpa/inet.h>
@@ -9,10 +11,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <thread>
 
@@ -21,9 +23,6 @@ extern char** environ;
 namespace qkv_train {
 
 namespace {
-
-std::atomic<int> forwarded_signal{0};
-void remember_signal(int signal) { forwarded_signal.store(signal); }
 
 // A TCP port that is free now on the loopback interface (the kernel's pick, as torchrun does;
 // another program could take it before rank 0 binds it, which the rendezvous then reports).
@@ -79,11 +78,16 @@ int launch_local_job(int nproc, const std::vector<std::string>& arguments, std::
   for (const auto& argument : arguments) argv.push_back(const_cast<char*>(argument.c_str()));
   argv.push_back(nullptr);
 
-  struct sigaction action {};
-  action.sa_handler = remember_signal;
-  sigemptyset(&action.sa_mask);
-  sigaction(SIGINT, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
+  // SIGINT and SIGTERM are forwarded to the ranks; each rank starts with them at their defaults
+  // (not blocked, as this process has them) and takes them as qkv-train does.
+  catch_stop_signals();
+  posix_spawnattr_t attributes;
+  if (const int error = posix_spawnattr_init(&attributes); error != 0) {
+    throw std::runtime_error(std::string("--nproc: cannot start the ranks: ") + std::strerror(error));
+  }
+  const std::unique_ptr<posix_spawnattr_t, int (*)(posix_spawnattr_t*)> destroy_attributes(&attributes,
+                                                                                           posix_spawnattr_destroy);
+  start_children_with_default_signals(attributes);
 
   spdlog::info("--nproc {}: starting ranks 0..{} with rendezvous at 127.0.0.1:{}", nproc, nproc - 1, port);
   std::vector<pid_t> ranks;
@@ -100,7 +104,8 @@ int launch_local_job(int nproc, const std::vector<std::string>& arguments, std::
     envp.push_back(nullptr);
     pid_t pid = 0;
     // /proc/self/exe: this very program, wherever it was started from.
-    if (const int error = posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()); error != 0) {
+    if (const int error = posix_spawn(&pid, "/proc/self/exe", nullptr, &attributes, argv.data(), envp.data());
+        error != 0) {
       for (const pid_t started : ranks) ::kill(started, SIGKILL);
       for (const pid_t started : ranks) ::waitpid(started, nullptr, 0);
       throw std::runtime_error("--nproc: cannot start rank " + std::to_string(rank) + ": " + std::strerror(error));
@@ -121,7 +126,7 @@ int launch_local_job(int nproc, const std::vector<std::string>& arguments, std::
     }
   };
   while (running > 0) {
-    if (const int signal = forwarded_signal.load(); signal != 0 && signal != last_forwarded) {
+    if (const int signal = stop_signal_received(); signal != 0 && signal != last_forwarded) {
       last_forwarded = signal;
       signal_running_ranks(signal);
     }

@@ -6,6 +6,7 @@
 #include "distributed.h"
 #include "launcher.h"
 #include "run_config.h"
+#include "stop_signals.h"
 #include "task_registry.h"
 #include "tasks/tasks.h"
 #include "trainer.h"
@@ -81,6 +82,14 @@ torch::Device rank_device(const std::string& name, const std::optional<qkv_train
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before any thread starts (LibTorch's, OpenMP's, Gloo's): they inherit SIGINT and SIGTERM
+  // blocked, and one thread of qkv-train's own takes them (stop_signals.h says why).
+  try {
+    qkv_train::take_stop_signals_on_own_thread();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "qkv-train: %s\n", e.what());
+    return 1;
+  }
   // Logs go to stderr so that stdout carries only the run's results (and --json stays parseable).
   spdlog::set_default_logger(spdlog::stderr_color_mt("qkv-train"));
   spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
@@ -162,7 +171,7 @@ int main(int argc, char** argv) {
       spdlog::info("data parallel: {} processes, {} process group, {} examples each, {} threads per process",
                    env->world_size, backend, config.batch / env->world_size, torch::get_num_threads());
     }
-    qkv_train::install_stop_handlers();  // only around training: elsewhere Ctrl-C stops at once
+    qkv_train::catch_stop_signals();  // only around training: elsewhere Ctrl-C stops at once
     auto result = qkv_train::train(config, device, parallel.get());
     if (config.json) {
       std::cout << result.summary.dump() << std::endl;

@@ -5,6 +5,7 @@
 #include "checkpoint.h"
 #include "progress.h"
 #include "resources.h"
+#include "stop_signals.h"
 #include "task_registry.h"
 
 #include "atomic_file.h"
@@ -19,10 +20,8 @@
 
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -44,10 +43,6 @@ std::vector<std::pair<double, double>> MetricsHistory::series(const std::string&
 }
 
 namespace {
-
-std::atomic<int> stop_signal{0};
-
-void on_stop_signal(int signal) { stop_signal.store(signal); }
 
 // Every digit a double needs to read back exactly: losses are compared with other runs and with
 // PyTorch to 1e-8.
@@ -240,7 +235,7 @@ class Trainer {
     // Backward pass (of the scaled loss with fp16-mixed, so that small gradients stay representable)
     scaler_.scale(loss).backward();
     last_loss_ = loss.item<double>();
-    int stop = stop_signal.load();
+    int stop = stop_signal_received();
     if (parallel_ != nullptr) {
       // Mean gradient of the whole batch; every replica learns the batch's loss and whether any was told to stop.
       const auto agreed = parallel_->average_gradients(parameters_, last_loss_, stop);
@@ -411,14 +406,6 @@ class Trainer {
 };
 
 }  // namespace
-
-void install_stop_handlers() {
-  struct sigaction action {};
-  action.sa_handler = on_stop_signal;
-  sigemptyset(&action.sa_mask);
-  sigaction(SIGINT, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
-}
 
 TrainingResult train(const RunConfig& config, const torch::Device& device, DataParallel* parallel) {
   return Trainer(config, device, parallel).run();

@@ -23,9 +23,6 @@ struct TrainingResult {
   int exit_code = 0;       // 0, or 128 + signal when SIGINT / SIGTERM stopped the run
 };
 
-/// Installs SIGINT / SIGTERM handlers that let the current step finish.
-void install_stop_handlers();
-
 /// Trains `config`'s task on `device`. With `parallel`, this process is one data-parallel replica:
 /// it trains on its share of each batch, gradients are averaged over the replicas, and only
 /// rank 0 logs progress and writes into --out.
