@@ -1,7 +1,7 @@
 // GELU through float32 for bfloat16 on CPUs without AVX-512 (see activation.h).
 #include "activation.h"
 
-#include "kernels/linear/bfloat16_products.h"
+#include "kernels/linear/products.h"
 #include "kernels/tiled/cpu_features.h"
 
 #include <ATen/Functions.h>

@@ -3,7 +3,7 @@
 // M = rows of the input (all leading dimensions), K = in features, N = out features.
 #include "linear.h"
 
-#include "kernels/linear/bfloat16_products.h"
+#include "kernels/linear/products.h"
 #include "kernels/linear/onednn_gemm.h"
 #include "kernels/tiled/cpu_features.h"
 #include "torch_compat.h"

@@ -6,7 +6,7 @@
 // operands, and its rounding against c10::BFloat16's; and what stays on LibTorch's route (float64,
 // a 1-D input, small products). Also the MLP's GELU on bfloat16 (src/activation.h).
 #include "activation.h"
-#include "kernels/linear/bfloat16_products.h"
+#include "kernels/linear/products.h"
 #include "kernels/linear/onednn_gemm.h"
 #include "kernels/tiled/cpu_features.h"
 #include "linear.h"
@@ -551,7 +551,7 @@ namespace {
 
 TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
   // The bfloat16 products take float32 scratch that is not zeroed (kept per thread between calls
-  // up to 4 MiB, fresh above) and ask the GEMM for C = A · B with beta 0 (bfloat16_products.cpp):
+  // up to 4 MiB, fresh above) and ask the GEMM for C = A · B with beta 0 (kernels/linear/products.cpp):
   // a call whose operands held NaN and infinities leaves them there, and the next call must not
   // see them (0 · NaN is NaN). Each product against float64 of the same bfloat16 operands, on both
   // GEMMs where this process has them, in the layouts of a forward (rows split among the threads)

@@ -4,7 +4,7 @@
 // run time which of them may run (cpu_features.cpp).
 #include "kernels/tiled/packed_products.h"
 
-#include "kernels/linear/bfloat16_products.h"
+#include "kernels/linear/products.h"
 #include "kernels/tiled/amx_products.h"
 #include "kernels/tiled/lane_shuffles.h"
 #include "kernels/tiled/vector_math.h"

@@ -1,19 +1,25 @@
-// The linear layers' bfloat16 products (CPU autocast to bfloat16) on oneDNN's bfloat16 GEMM, or,
-// where the CPU has no bfloat16 instructions, on qkv's own float32 micro-kernels (the tiled
-// kernel's, kernels/tiled/packed_products.h) with the bfloat16 operands widened as they are packed
-// (where those kernels are plain C++, on oneDNN's float32 GEMM with the operands widened first),
-// their float32 results rounded to bfloat16 while they are still in cache. Private to qkv.
+// The linear layers' products on the CPU, where they do not take LibTorch's (src/linear.h picks):
+// - bfloat16 (CPU autocast to bfloat16) on oneDNN's bfloat16 GEMM, or, where the CPU has no
+//   bfloat16 instructions, on qkv's own float32 micro-kernels (the tiled kernel's,
+//   kernels/tiled/packed_products.h) with the bfloat16 operands widened as they are packed (where
+//   those kernels are plain C++, on a signal-safe oneDNN's float32 GEMM with the operands widened
+//   first), their float32 results rounded to bfloat16 while they are still in cache;
+// - float32 on the same micro-kernels, where the process's oneDNN float32 GEMM cannot be used
+//   (kernels/linear/onednn_gemm.h: none loaded, or one before 3.11.2, whose kernels corrupt the heap
+//   when a signal is handled during a product).
+// Private to qkv.
 //
-// Why qkv's micro-kernels and not oneDNN's float32 GEMM there: oneDNN's GEMM takes float32 only, so
-// each block of bfloat16 operands was widened into scratch first and then read again by the GEMM,
-// which packs it once more. The micro-kernels take B packed once per call (widened on the way) and
-// widen A's rows into a block of their own. Single products on one thread, operands in cache (AMD
-// EPYC Zen 5, 2026-12-04, 256 rows, 128 → 384): oneDNN 2.6.3's sgemm 112 GFLOP/s on AVX2 and 207
-// on AVX-512, the micro-kernels 117 and 234. The lm's linear layers under bf16-mixed (4096 rows,
-// 2 threads, a one-off harness timing detail::linear, not kept; medians of 50 calls): forward
-// 2–6% faster on AVX2, 8–13% on AVX-512 without AVX512_BF16 (both emulated), backward 1–13% and
-// 0–5%. Float32 products gained nothing from them (the lm's float32 step with its forward products
-// on the micro-kernels: 0–2% slower), so the float32 route stays on oneDNN.
+// Why qkv's micro-kernels and not oneDNN's float32 GEMM for widened bfloat16: oneDNN's GEMM takes
+// float32 only, so each block of bfloat16 operands was widened into scratch first and then read
+// again by the GEMM, which packs it once more. The micro-kernels take B packed once per call
+// (widened on the way) and widen A's rows into a block of their own. Single products on one
+// thread, operands in cache (AMD EPYC Zen 5, 2026-12-04, 256 rows, 128 → 384): oneDNN 2.6.3's
+// sgemm 112 GFLOP/s on AVX2 and 207 on AVX-512, the micro-kernels 117 and 234. The lm's linear
+// layers under bf16-mixed (4096 rows, 2 threads, a one-off harness timing detail::linear, not
+// kept; medians of 50 calls): forward 2–6% faster on AVX2, 8–13% on AVX-512 without AVX512_BF16
+// (both emulated), backward 1–13% and 0–5%. For float32 alone they are no faster than oneDNN
+// 2.6.3's GEMM (the lm's float32 step 2–3% slower on AVX-512, 4% faster on AVX2; docs/PERFORMANCE.md,
+// twenty-second session): where oneDNN's GEMM is signal-safe the float32 route stays on it.
 //
 // oneDNN's GEMM API writes float32. Written whole and rounded in a second pass, the lm's outputs
 // went to memory and back (4 + 4 + 2 bytes a value against 2): as slow as LibTorch's bfloat16

@@ -1,5 +1,5 @@
-// bfloat16 products rounded in cache (see bfloat16_products.h).
-#include "kernels/linear/bfloat16_products.h"
+// The linear layers' products on qkv's micro-kernels or oneDNN's GEMM (see products.h).
+#include "kernels/linear/products.h"
 
 #include "kernels/bfloat16_bits.h"
 #include "kernels/linear/onednn_gemm.h"
@@ -17,7 +17,7 @@
 // at::parallel_for is an inline `#pragma omp parallel` in an OpenMP build of LibTorch: compiled
 // without OpenMP it is a loop on one thread (src/CMakeLists.txt gives this file -fopenmp).
 #if AT_PARALLEL_OPENMP && defined(QKV_OPENMP_FOUND) && !defined(_OPENMP)
-#error "bfloat16_products.cpp calls at::parallel_for: compile it with OpenMP (src/CMakeLists.txt)"
+#error "products.cpp calls at::parallel_for: compile it with OpenMP (src/CMakeLists.txt)"
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
