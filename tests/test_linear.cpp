@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <optional>
 #include <string>
 #include <thread>
@@ -611,42 +612,63 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
 TEST(Linear, Float32ProductsOnMicroKernelsMatchFloat64) {
   // multiply_float32 (the float32 linear layers' products where oneDNN's GEMM is not taken): each
   // transpose of A and B, stored inside wider matrices (row stride > columns), over a block of rows
-  // split among tasks and over a long sum split in groups, beta 0 into a C full of NaN (never read)
-  // and beta 1 (accumulated), against float64. Correct on every instruction set (plain C++ too).
-  torch::manual_seed(24);
+  // split among tasks, a few rows split by columns, and a long sum split in groups, beta 0 into a C
+  // full of NaN (never read) and beta 1 (accumulated), against float64, on 1, 2 and 3 threads; the
+  // result is the same to the bit on each (every value summed in the same order whatever the
+  // tasks). Correct on every instruction set (plain C++ too).
   struct Shape {
     int64_t m, k, n;
   };
-  // 600 rows: 3 blocks of rows; k = 2100: 3 groups of the sum (2 · 1024 + 52), 9 chunks of 256
-  for (const auto shape : {Shape{600, 300, 40}, Shape{48, 2100, 48}, Shape{5, 7, 3}}) {
-    const int64_t m = shape.m, k = shape.k, n = shape.n;
-    for (bool transpose_a : {false, true}) {
-      for (bool transpose_b : {false, true}) {
-        for (float beta : {0.0f, 1.0f}) {
-          SCOPED_TRACE(testing::Message() << "m " << m << ", k " << k << ", n " << n << (transpose_a ? ", Aᵀ" : "")
-                                          << (transpose_b ? ", Bᵀ" : "") << ", beta " << beta);
-          // op(A) (m × k) and op(B) (k × n) stored as the transpose says, 3 columns to spare per row
-          const auto a_stored = torch::randn(transpose_a ? std::vector<int64_t>{k, m + 3} : std::vector<int64_t>{m, k + 3});
-          const auto b_stored = torch::randn(transpose_b ? std::vector<int64_t>{n, k + 3} : std::vector<int64_t>{k, n + 3});
-          const auto a = transpose_a ? a_stored.narrow(1, 0, m).t() : a_stored.narrow(1, 0, k);
-          const auto b = transpose_b ? b_stored.narrow(1, 0, k).t() : b_stored.narrow(1, 0, n);
-          const auto c_before = torch::randn({m, n + 2});
-          auto c = beta == 0.0f ? torch::full({m, n + 2}, std::numeric_limits<float>::quiet_NaN()) : c_before.clone();
-          qkv::kernels::linear::multiply_float32(transpose_a, transpose_b, m, n, k, a_stored.data_ptr<float>(),
-                                                 a_stored.size(1), b_stored.data_ptr<float>(), b_stored.size(1), beta,
-                                                 c.data_ptr<float>(), c.size(1));
-          auto want = a.to(torch::kDouble).mm(b.to(torch::kDouble));
-          if (beta != 0.0f) want += c_before.narrow(1, 0, n).to(torch::kDouble);
-          const auto got = c.narrow(1, 0, n);
-          ASSERT_TRUE(torch::isfinite(got).all().item<bool>());
-          EXPECT_LT(relative_error(got.to(torch::kDouble), want), tolerance_for(torch::kFloat, k));
-          // The columns past n are not C's: left as they were.
-          const auto spare = c.narrow(1, n, 2);
-          EXPECT_TRUE(beta == 0.0f ? torch::isnan(spare).all().item<bool>() : torch::equal(spare, c_before.narrow(1, n, 2)));
+  const int threads_before = at::get_num_threads();
+  std::map<std::string, torch::Tensor> on_one_thread;
+  for (const int threads : {1, 2, 3}) {
+    at::set_num_threads(threads);
+    // 600 rows: blocks of rows; 200 rows and a sum of 300: blocks of columns (128 + 72 on 2 threads,
+    // 3 × 96 on 3); k = 2100: 3 groups of the sum (2 · 1024 + 52), 9 chunks of 256
+    for (const auto shape : {Shape{600, 300, 40}, Shape{200, 300, 200}, Shape{48, 2100, 48}, Shape{5, 7, 3}}) {
+      const int64_t m = shape.m, k = shape.k, n = shape.n;
+      for (bool transpose_a : {false, true}) {
+        for (bool transpose_b : {false, true}) {
+          for (float beta : {0.0f, 1.0f}) {
+            const std::string name = (testing::Message() << "m " << m << ", k " << k << ", n " << n
+                                                         << (transpose_a ? ", Aᵀ" : "") << (transpose_b ? ", Bᵀ" : "")
+                                                         << ", beta " << beta)
+                                         .GetString();
+            SCOPED_TRACE(name + ", " + std::to_string(threads) + " threads");
+            torch::manual_seed(m * 7 + k * 5 + n * 3 + transpose_a * 2 + transpose_b);  // the same operands each time
+            // op(A) (m × k) and op(B) (k × n) stored as the transpose says, 3 columns to spare per row
+            const auto a_stored =
+                torch::randn(transpose_a ? std::vector<int64_t>{k, m + 3} : std::vector<int64_t>{m, k + 3});
+            const auto b_stored =
+                torch::randn(transpose_b ? std::vector<int64_t>{n, k + 3} : std::vector<int64_t>{k, n + 3});
+            const auto a = transpose_a ? a_stored.narrow(1, 0, m).t() : a_stored.narrow(1, 0, k);
+            const auto b = transpose_b ? b_stored.narrow(1, 0, k).t() : b_stored.narrow(1, 0, n);
+            const auto c_before = torch::randn({m, n + 2});
+            auto c =
+                beta == 0.0f ? torch::full({m, n + 2}, std::numeric_limits<float>::quiet_NaN()) : c_before.clone();
+            qkv::kernels::linear::multiply_float32(transpose_a, transpose_b, m, n, k, a_stored.data_ptr<float>(),
+                                                   a_stored.size(1), b_stored.data_ptr<float>(), b_stored.size(1),
+                                                   beta, c.data_ptr<float>(), c.size(1));
+            auto want = a.to(torch::kDouble).mm(b.to(torch::kDouble));
+            if (beta != 0.0f) want += c_before.narrow(1, 0, n).to(torch::kDouble);
+            const auto got = c.narrow(1, 0, n);
+            ASSERT_TRUE(torch::isfinite(got).all().item<bool>());
+            EXPECT_LT(relative_error(got.to(torch::kDouble), want), tolerance_for(torch::kFloat, k));
+            // The columns past n are not C's: left as they were.
+            const auto spare = c.narrow(1, n, 2);
+            EXPECT_TRUE(beta == 0.0f ? torch::isnan(spare).all().item<bool>()
+                                     : torch::equal(spare, c_before.narrow(1, n, 2)));
+            if (threads == 1) {
+              on_one_thread[name] = got.clone();
+            } else {
+              EXPECT_TRUE(torch::equal(got, on_one_thread.at(name))) << "differs from the result on one thread";
+            }
+          }
         }
       }
     }
   }
+  at::set_num_threads(threads_before);
 }
 
 TEST(Linear, Bfloat16GradientsInOnePassMatchFloat64) {

@@ -40,6 +40,41 @@ constexpr int64_t kRoundingGrain = 1 << 15;
 // memory and back, the blocks made the bfloat16 step 7% faster.
 constexpr int64_t kRowsPerTask = 256;
 
+// A product too small for blocks of kRowsPerTask rows (a short sequence's projections, the
+// gradient of a weight from a few hundred rows) is split by C's columns instead: each task packs
+// only its columns of op(B) and multiplies every row of A by them. Rows would share one packed
+// op(B), which the other threads then pull out of the packing thread's cache: on 2 threads of an
+// AMD EPYC Zen 5 (2026-12-04, K = 128 → N = 384) 32 rows took 33 µs split in two row blocks
+// against 19 µs on one thread, and 13.5 µs split in two column blocks. A task takes whole panels of
+// kColumnsPerPanel columns (the AVX-512 micro-kernels' widest) and at least as many multiply-adds
+// as pay for another thread, measured there (the split against one thread, best of 7 × 20 ms):
+// - A's rows as stored (a forward product, an input's gradient): 2^18. 8 rows (2^18.6 in all)
+//   9.4 µs either way, 16 rows (2^19.6) 13.3 against 11.4;
+// - A transposed (a weight's gradient, its sum over the rows short enough to be one group): 2^20.
+//   32 rows (2^20.6) 16.6 against 20.0 µs, 48 rows (2^21.2) 24.4 against 18.1.
+constexpr int64_t kColumnsPerPanel = 32;
+constexpr double kFewestMultiplyAddsPerTask = 1 << 18;
+constexpr double kFewestMultiplyAddsPerTransposedTask = 1 << 20;
+
+// Columns of C per task for a product of m × n × k on the threads at hand (n: one task).
+int64_t columns_per_task(int64_t m, int64_t n, int64_t k, bool transpose_a) {
+  const auto threads = static_cast<int64_t>(std::max(1, at::get_num_threads()));
+  const double fewest = transpose_a ? kFewestMultiplyAddsPerTransposedTask : kFewestMultiplyAddsPerTask;
+  const auto worth = static_cast<int64_t>(static_cast<double>(m) * n * k / fewest);
+  const int64_t tasks = std::clamp<int64_t>(worth, 1, threads);
+  const int64_t columns = (n + tasks - 1) / tasks;
+  return std::min(n, (columns + kColumnsPerPanel - 1) / kColumnsPerPanel * kColumnsPerPanel);
+}
+
+// Rows of C per task where C has more than kRowsPerTask rows: kRowsPerTask, or fewer so that every
+// thread gets a share (300 rows on 2 threads: 168 and 132, not 256 and 44), in multiples of 24 rows
+// (whole micro-kernel tiles: AVX-512's 8 and 12, AVX2's 6).
+int64_t rows_per_task(int64_t m) {
+  const auto threads = static_cast<int64_t>(std::max(1, at::get_num_threads()));
+  const int64_t rows = (m + threads - 1) / threads;
+  return std::min(kRowsPerTask, (rows + 23) / 24 * 24);
+}
+
 // Scratch of at least `count` floats for this thread, not zeroed: every caller writes each value
 // before reading it. Zero-filled vectors made per task and call took 2% of the lm's bf16-mixed step
 // on the float32 route (perf, AVX2 emulated on AMD EPYC Zen 5, 2026-12-03), so blocks up to 4 MiB
@@ -222,9 +257,10 @@ void multiply_on_float32_route(bool transpose_a, bool transpose_b, int64_t m, in
   if (!transpose_a && m > kRowsPerTask) {  // blocks of C's rows, one task each, all reading op(B)
     Float32Right right;
     right.prepare(transpose_b, k, n, b, ldb);
-    at::parallel_for(0, (m + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows_each = rows_per_task(m);
+    at::parallel_for(0, (m + rows_each - 1) / rows_each, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t first = task * kRowsPerTask, rows = std::min(kRowsPerTask, m - first);
+        const int64_t first = task * rows_each, rows = std::min(rows_each, m - first);
         right.multiply_rows(a + first * lda, lda, rows, beta, c + first * ldc, ldc);
       }
     });
@@ -233,8 +269,21 @@ void multiply_on_float32_route(bool transpose_a, bool transpose_b, int64_t m, in
   // A long sum (a weight's gradient: k = the rows): groups of it, one task each, each into a C of
   // its own, added in a fixed order (the result does not depend on the threads).
   const int64_t group = kSumChunk * kChunksPerGroup, groups = (k + group - 1) / group;
-  if (groups == 1) {
-    multiply_by_chunks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+  if (!transpose_a || groups == 1) {  // few rows, or a short sum: blocks of C's columns
+    const int64_t columns_each = columns_per_task(m, n, k, transpose_a);
+    if (columns_each >= n) {
+      multiply_by_chunks(transpose_a, transpose_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+      return;
+    }
+    // Each value is summed as on one thread, in the same order: the result does not depend on the threads.
+    at::parallel_for(0, (n + columns_each - 1) / columns_each, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t first = task * columns_each, columns = std::min(columns_each, n - first);
+        // op(B)[:, first:first+columns] as stored
+        const T* b_part = transpose_b ? b + first * ldb : b + first;
+        multiply_by_chunks(transpose_a, transpose_b, m, columns, k, a, lda, b_part, ldb, beta, c + first, ldc);
+      }
+    });
     return;
   }
   thread_local std::vector<float> partial_kept;
