@@ -228,15 +228,37 @@ TEST(TrainTasks, DivergingLossStopsWithStepAndHint) {
 }
 
 // Outside training Ctrl-C ends qkv-train at once, as it ends any program: the scaling experiment
-// (several seconds of training runs, its files written at the end) stopped a second in is ended
-// by the signal (the shell's 130) and leaves no files, where a caught signal would let it finish.
+// (several seconds of training runs, its files written at the end), sent SIGINT once its main has
+// blocked the signal for its signal thread (apps/qkv-train/stop_signals.h), is ended by it (the
+// shell's 130) and leaves no files, where a caught signal would let it finish. `env
+// --default-signal=INT`: a background job of a non-interactive shell starts with SIGINT ignored.
 TEST(TrainTasks, CtrlCOutsideTrainingEndsTheProgramAtOnce) {
   const auto out = fresh_dir("sigint_untrained");
-  const std::string command = std::string(QKV_TRAIN_PATH) + " --task scaling --device cpu --quiet --out " +
-                              out.string() + " & pid=$!; sleep 1; kill -INT $pid; wait $pid; echo exit=$?";
+  const std::string command =
+      "env --default-signal=INT " + std::string(QKV_TRAIN_PATH) + " --task scaling --device cpu --quiet --out " +
+      out.string() +
+      " & pid=$!; for i in $(seq 600); do mask=$(awk '/^SigBlk/ { print $2 }' /proc/$pid/status); "
+      "[ $(( 0x${mask:-0} & 2 )) -ne 0 ] && echo blocked && break; sleep 0.1; done; "
+      "kill -INT $pid; wait $pid; echo exit=$?";
   auto run = qkv_test::run_command(command);
+  ASSERT_THAT(run.output, HasSubstr("blocked")) << "qkv-train never blocked SIGINT for its signal thread";
   EXPECT_THAT(run.output, HasSubstr("exit=130"));
   EXPECT_FALSE(fs::exists(out / "scaling.csv"));
+  fs::remove_all(out);
+}
+
+// A SIGINT qkv-train was started with ignored (a background job of a script, nohup) stays ignored,
+// during training too: the run goes on until the SIGTERM that follows stops it (143, not 130).
+TEST(TrainTasks, AnIgnoredSigintStaysIgnored) {
+  const auto out = fresh_dir("sigint_ignored");
+  const std::string command =
+      "env --ignore-signal=INT " + std::string(QKV_TRAIN_PATH) + " " + kSmallReverse + "--steps 100000000 --out " +
+      out.string() + " & pid=$!; for i in $(seq 300); do [ -s " + (out / "metrics.csv").string() +
+      " ] && break; sleep 0.1; done; kill -INT $pid; sleep 1; kill -0 $pid && echo running; kill -TERM $pid; "
+      "wait $pid; echo exit=$?";
+  auto run = qkv_test::run_command(command);
+  EXPECT_THAT(run.output, HasSubstr("running"));
+  EXPECT_THAT(run.output, HasSubstr("exit=143"));
   fs::remove_all(out);
 }
 

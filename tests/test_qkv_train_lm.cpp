@@ -215,11 +215,13 @@ TEST(LanguageModel, CheckpointedActivationsTrainExactlyAsThePlainModel) {
 // other thread, the products' included, blocks both, so no handler ever runs on a thread in the
 // middle of a product (oneDNN issue #4845 corrupted the heap that way). The kernel's view of each
 // thread's mask (SigBlk in /proc/PID/task/TID/status) while the model trains on 2 threads: one
-// thread takes them (sigwait unblocks them while it waits), the rest block them.
+// thread takes them (sigwait unblocks them while it waits), the rest block them. (`env
+// --default-signal=INT`: a background job of a non-interactive shell starts with SIGINT ignored.)
 TEST(LanguageModel, OnlyTheSignalThreadTakesStopSignals) {
   const auto out = fresh_dir("lm_signal_thread");
   const std::string command =
-      std::string(QKV_TRAIN_PATH) + " " + kSmallLm + "--threads 2 --steps 100000000 --out " + out.string() +
+      "env --default-signal=INT " + std::string(QKV_TRAIN_PATH) + " " + kSmallLm +
+      "--threads 2 --steps 100000000 --out " + out.string() +
       " 2> /dev/null & pid=$!; for i in $(seq 600); do [ -s " + (out / "metrics.csv").string() +
       " ] && break; sleep 0.1; done; sleep 0.5; for t in /proc/$pid/task/*; do "
       "echo \"mask $(awk '/^SigBlk/ { print $2 }' $t/status)\"; done; kill -INT $pid; wait $pid; echo exit=$?";

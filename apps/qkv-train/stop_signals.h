@@ -16,7 +16,9 @@ namespace qkv_train {
 
 /// Blocks SIGINT and SIGTERM in the calling thread and starts the thread that takes them.
 /// Call it first in main, before anything starts a thread: threads inherit the mask at creation.
-/// Until catch_stop_signals(), a signal still ends the process at once, as by default.
+/// Until catch_stop_signals(), a signal still ends the process at once, as by default. A signal
+/// the process was started with ignored (a background job of a script ignores SIGINT; nohup)
+/// is left alone and stays ignored throughout.
 void take_stop_signals_on_own_thread();
 
 /// From now on SIGINT and SIGTERM are recorded (stop_signal_received()) instead of ending the
@@ -28,9 +30,10 @@ void catch_stop_signals();
 /// The last SIGINT or SIGTERM recorded since catch_stop_signals(), or 0.
 int stop_signal_received();
 
-/// Sets posix_spawn's attributes so that the child starts with no signal blocked and SIGINT and
-/// SIGTERM at their default actions, as a program started from a shell (a blocked mask survives
-/// exec). Throws std::runtime_error if the C library refuses the attributes.
+/// Sets posix_spawn's attributes so that the child starts with no signal blocked and the signals
+/// this process takes at their default actions (a blocked mask survives exec); one this process
+/// ignores stays ignored in the child, as inherited. Throws std::runtime_error if the C library
+/// refuses the attributes.
 void start_children_with_default_signals(posix_spawnattr_t& attributes);
 
 }  // namespace qkv_train
