@@ -68,8 +68,9 @@ void multiply_bfloat16(Bfloat16Gemm gemm, bool transpose_a, bool transpose_b, in
                        int64_t ldc);
 
 /// The same product with A and B in float32, on qkv's float32 micro-kernels as Bfloat16Gemm::Float32
-/// multiplies (op(B) packed once, blocks of C's rows or a long sum's groups as tasks, the sum's
-/// groups added in a fixed order: the result does not depend on the threads). Where the tiled
+/// multiplies (as tasks: blocks of C's rows sharing op(B) packed once; for few rows or a short
+/// weight-gradient sum, blocks of C's columns each packing its own; or a long sum's groups, added
+/// in a fixed order: each value is summed in the same order whatever the threads). Where the tiled
 /// kernel's instruction set is portable the micro-kernels are plain C++: right, but about 40× slower
 /// than a BLAS (the linear layers then use LibTorch's products, linear.h). For float32 linear
 /// layers where the process's oneDNN GEMM cannot be used (onednn_gemm.h: none loaded, or one that
