@@ -78,8 +78,9 @@ int launch_local_job(int nproc, const std::vector<std::string>& arguments, std::
   for (const auto& argument : arguments) argv.push_back(const_cast<char*>(argument.c_str()));
   argv.push_back(nullptr);
 
-  // SIGINT and SIGTERM are forwarded to the ranks; each rank starts with them at their defaults
-  // (not blocked, as this process has them) and takes them as qkv-train does.
+  // SIGINT and SIGTERM are forwarded to the ranks; each rank starts with the ones this process
+  // takes at their defaults (not blocked, as they are here) and takes them as qkv-train does; one
+  // ignored here stays ignored there.
   catch_stop_signals();
   posix_spawnattr_t attributes;
   if (const int error = posix_spawnattr_init(&attributes); error != 0) {
