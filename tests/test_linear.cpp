@@ -568,14 +568,19 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
   if (gemms.empty()) GTEST_SKIP() << "plain C++ micro-kernels and no oneDNN float32 GEMM: "
                   << OneDnnGemm::instance().float32_unavailable_because();
   torch::manual_seed(21);
+  // Two threads at least, whatever LibTorch's default (one on some machines): the products split
+  // among them.
+  const int threads_before = at::get_num_threads();
+  at::set_num_threads(std::max(threads_before, 2));
   const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
   struct Shape {
     int64_t m, k, n;
   };
   // 9 row blocks; sums over k in 3 or 5 chunks and over m in 3 groups; a k so long that a row
   // block's widened rows (float32) would pass the scratch a thread keeps, so the micro-kernels
-  // widen and multiply it in two passes
-  for (const auto shape : {Shape{2100, 600, 40}, Shape{2100, 1100, 1000}, Shape{300, 5000, 24}}) {
+  // widen and multiply it in two passes; 200 rows, split by columns among the threads
+  for (const auto shape :
+       {Shape{2100, 600, 40}, Shape{2100, 1100, 1000}, Shape{300, 5000, 24}, Shape{200, 300, 200}}) {
     const int64_t m = shape.m, k = shape.k, n = shape.n;
     const auto a = torch::randn({m, k}).to(torch::kBFloat16), b = torch::randn({k, n}).to(torch::kBFloat16);
     auto poisoned_a = a.clone(), poisoned_b = b.clone();
@@ -596,6 +601,10 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
       const auto got = qkv::kernels::linear::bfloat16_product(gemm, m, n, k, {a, false, k}, {b, false, n}, {});
       // bfloat16's rounding of the output (2^-8 of it) and float32's of a k-long sum
       EXPECT_LT(relative_error(got.to(torch::kDouble), want), 8e-3);
+      // with a bias, added in float32 before the rounding
+      const auto bias = torch::randn({n});
+      const auto got_biased = qkv::kernels::linear::bfloat16_product(gemm, m, n, k, {a, false, k}, {b, false, n}, bias);
+      EXPECT_LT(relative_error(got_biased.to(torch::kDouble), want + bias.to(torch::kDouble)), 8e-3);
       // multiply_bfloat16 as a weight's gradient: C (k × n) = Aᵀ (k × m) · rows (m × n), a sum over m
       auto c = torch::full({k, n}, std::numeric_limits<float>::quiet_NaN());
       qkv::kernels::linear::multiply_bfloat16(gemm, true, false, k, n, m, bits(poisoned_a), k, bits(poisoned_rows),
@@ -607,6 +616,7 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
       EXPECT_LT(relative_error(c.to(torch::kDouble), want_gradient), 1e-5);
     }
   }
+  at::set_num_threads(threads_before);
 }
 
 TEST(Linear, Float32ProductsOnMicroKernelsMatchFloat64) {
@@ -674,59 +684,68 @@ TEST(Linear, Float32ProductsOnMicroKernelsMatchFloat64) {
 TEST(Linear, Bfloat16GradientsInOnePassMatchFloat64) {
   // The float32 route's backward in one pass (linear_gradients_widened): each block of grad
   // widened once for dx = grad · W, dW = gradᵀ · x and db = its column sums, over 3 groups of rows
-  // (the last cut: 2100 = 2 · 1024 + 52), every subset of the gradients asked for, W stored either
-  // way, dx in float32 or rounded; each against float64 of the same bfloat16 values, after a call
-  // that left NaN in every scratch (beta 0 must not read them). Then through the layer, where only
-  // some inputs require grad.
+  // (the last cut: 2100 = 2 · 1024 + 52), or, in one group, as three products; every subset of the
+  // gradients asked for, W stored either way, dx in float32 or rounded; each against float64 of
+  // the same bfloat16 values, after a call that left NaN in every scratch (beta 0 must not read
+  // them). Then through the layer, where only some inputs require grad.
   using qkv::kernels::linear::linear_gradients_widened;
   if (!qkv::kernels::linear::float32_products_on_micro_kernels() && !OneDnnGemm::instance().available()) {
     GTEST_SKIP() << "plain C++ micro-kernels and no oneDNN float32 GEMM: "
                   << OneDnnGemm::instance().float32_unavailable_because();
   }
   torch::manual_seed(22);
-  const int64_t M = 2100, N = 384, K = 128;
-  const auto grad = torch::randn({M, N}).to(torch::kBFloat16), x = torch::randn({M, K}).to(torch::kBFloat16);
-  const auto w = (torch::randn({N, K}) / 8).to(torch::kBFloat16);
-  const auto w_columns = w.t().contiguous().t();  // the same W stored as Wᵀ's rows
-  const auto grad64 = grad.to(torch::kDouble), x64 = x.to(torch::kDouble), w64 = w.to(torch::kDouble);
-  const auto want_x = grad64.mm(w64), want_w = grad64.t().mm(x64), want_b = grad64.sum(0);
-  auto poisoned_grad = grad.clone(), poisoned_x = x.clone();
-  poisoned_grad.index_put_({torch::indexing::Slice(), 0}, std::numeric_limits<float>::quiet_NaN());
-  poisoned_x.index_put_({0, torch::indexing::Slice()}, std::numeric_limits<float>::infinity());
-  for (bool transposed : {false, true}) {
-    const auto& weight = transposed ? w_columns : w;
-    const int64_t ld = transposed ? weight.stride(1) : weight.stride(0);
-    for (int asked = 1; asked < 8; ++asked) {
-      const bool dx = asked & 1, dw = asked & 2, db = asked & 4;
-      for (bool round_x : {false, true}) {
-        SCOPED_TRACE(testing::Message() << "W stored " << (transposed ? "as Wᵀ" : "as rows") << (dx ? ", dx" : "")
-                                        << (round_x ? " rounded" : "") << (dw ? ", dW" : "") << (db ? ", db" : ""));
-        const auto poisoned = linear_gradients_widened(poisoned_grad, poisoned_x, {weight, transposed, ld}, true,
-                                                       round_x, true, true);
-        ASSERT_FALSE(torch::isfinite(poisoned.grad_weight).all().item<bool>());
-        const auto got = linear_gradients_widened(grad, x, {weight, transposed, ld}, dx, round_x, dw, db);
-        ASSERT_EQ(got.grad_x.defined(), dx);
-        ASSERT_EQ(got.grad_weight.defined(), dw);
-        ASSERT_EQ(got.grad_bias.defined(), db);
-        if (dx) {
-          EXPECT_EQ(got.grad_x.scalar_type(), round_x ? torch::kBFloat16 : torch::kFloat);
-          // float32 sums of N terms, and bfloat16's rounding (2^-9 relative) where rounded
-          EXPECT_LT(relative_error(got.grad_x.to(torch::kDouble), want_x), round_x ? 5e-3 : 1e-5);
-        }
-        if (dw) {
-          EXPECT_LT(relative_error(got.grad_weight.to(torch::kDouble), want_w), 1e-5);
-        }
-        if (db) {
-          EXPECT_LT(relative_error(got.grad_bias.to(torch::kDouble), want_b), 1e-5);
+  const int threads_before = at::get_num_threads();
+  at::set_num_threads(std::max(threads_before, 2));  // the one-group products split among them
+  const int64_t N = 384, K = 128;
+  // 2100 rows: three groups of the sum, one pass; 700 and 200: one group, each gradient a product
+  // of its own split among the threads (dx by rows at 700, by columns at 200)
+  for (const int64_t M : {2100, 700, 200}) {
+    SCOPED_TRACE(testing::Message() << M << " rows");
+    const auto grad = torch::randn({M, N}).to(torch::kBFloat16), x = torch::randn({M, K}).to(torch::kBFloat16);
+    const auto w = (torch::randn({N, K}) / 8).to(torch::kBFloat16);
+    const auto w_columns = w.t().contiguous().t();  // the same W stored as Wᵀ's rows
+    const auto grad64 = grad.to(torch::kDouble), x64 = x.to(torch::kDouble), w64 = w.to(torch::kDouble);
+    const auto want_x = grad64.mm(w64), want_w = grad64.t().mm(x64), want_b = grad64.sum(0);
+    auto poisoned_grad = grad.clone(), poisoned_x = x.clone();
+    poisoned_grad.index_put_({torch::indexing::Slice(), 0}, std::numeric_limits<float>::quiet_NaN());
+    poisoned_x.index_put_({0, torch::indexing::Slice()}, std::numeric_limits<float>::infinity());
+    for (bool transposed : {false, true}) {
+      const auto& weight = transposed ? w_columns : w;
+      const int64_t ld = transposed ? weight.stride(1) : weight.stride(0);
+      for (int asked = 1; asked < 8; ++asked) {
+        const bool dx = asked & 1, dw = asked & 2, db = asked & 4;
+        for (bool round_x : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "W stored " << (transposed ? "as Wᵀ" : "as rows") << (dx ? ", dx" : "")
+                                          << (round_x ? " rounded" : "") << (dw ? ", dW" : "") << (db ? ", db" : ""));
+          const auto poisoned = linear_gradients_widened(poisoned_grad, poisoned_x, {weight, transposed, ld}, true,
+                                                         round_x, true, true);
+          ASSERT_FALSE(torch::isfinite(poisoned.grad_weight).all().item<bool>());
+          const auto got = linear_gradients_widened(grad, x, {weight, transposed, ld}, dx, round_x, dw, db);
+          ASSERT_EQ(got.grad_x.defined(), dx);
+          ASSERT_EQ(got.grad_weight.defined(), dw);
+          ASSERT_EQ(got.grad_bias.defined(), db);
+          if (dx) {
+            EXPECT_EQ(got.grad_x.scalar_type(), round_x ? torch::kBFloat16 : torch::kFloat);
+            // float32 sums of N terms, and bfloat16's rounding (2^-9 relative) where rounded
+            EXPECT_LT(relative_error(got.grad_x.to(torch::kDouble), want_x), round_x ? 5e-3 : 1e-5);
+          }
+          if (dw) {
+            EXPECT_LT(relative_error(got.grad_weight.to(torch::kDouble), want_w), 1e-5);
+          }
+          if (db) {
+            EXPECT_LT(relative_error(got.grad_bias.to(torch::kDouble), want_b), 1e-5);
+          }
         }
       }
     }
+    EXPECT_THROW(linear_gradients_widened(grad, x.narrow(0, 0, M - 1), {w, false, K}, true, false, true, false),
+                 c10::Error);
   }
-  EXPECT_THROW(linear_gradients_widened(grad, x.narrow(0, 0, M - 1), {w, false, K}, true, false, true, false),
-               c10::Error);
+  at::set_num_threads(threads_before);
 
   // Through the layer under autocast: an input that requires no grad, a frozen weight.
   if (qkv::detail::bfloat16_products() != qkv::detail::Bfloat16Products::Float32) return;
+  const int64_t M = 2100;
   const auto x_values = torch::randn({M, K}), w_values = torch::randn({N, K}) / 8, b_values = torch::randn({N});
   const auto probe = torch::randn({M, N});
   const auto rounded = [](const torch::Tensor& t) { return t.to(torch::kBFloat16).to(torch::kDouble); };

@@ -351,6 +351,30 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
   const float* bias_row = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
   const uint16_t *a_bits = bits_of(a.tensor), *b_bits = bits_of(b.tensor);
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  // On the float32 route a product of few rows is split by the output's columns, as
+  // multiply_on_float32_route splits float32 ones (each task packs, widened, only its columns of
+  // op(b)); each value is summed as on one thread.
+  if (gemm == Bfloat16Gemm::Float32 && m <= kRowsPerTask && !at::in_parallel_region()) {
+    const int64_t columns_each = columns_per_task(m, n, k, /*transpose_a=*/false);
+    if (columns_each < n) {
+      at::parallel_for(0, (n + columns_each - 1) / columns_each, 1, [&](int64_t begin, int64_t end) {
+        thread_local std::vector<float> block_kept;
+        const Scratch block_scratch(block_kept, m * columns_each);
+        float* block = block_scratch.data();  // (m × columns), beta 0 without a bias
+        Float32Right part;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t first = task * columns_each, columns = std::min(columns_each, n - first);
+          part.prepare(b.transposed, k, columns, b_bits + (b.transposed ? first * b.ld : first), b.ld);
+          if (bias_row) {
+            for (int64_t r = 0; r < m; ++r) std::copy(bias_row + first, bias_row + first + columns, block + r * columns);
+          }
+          part.multiply_rows(a_bits, a.ld, m, bias_row ? 1.0f : 0.0f, block, columns);
+          for (int64_t r = 0; r < m; ++r) round_values(block + r * columns, out_bits + r * n + first, columns);
+        }
+      });
+      return out;
+    }
+  }
   const int64_t tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
   // On the float32 route every task reads all of op(b): packed (widened) once here, not per task.
   Float32Right right;
@@ -407,8 +431,41 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
       grad_x_values = out.grad_x.data_ptr<float>();
     }
   }
-  // Each group's partial dW (N × K) and db (N), side by side.
   const int64_t group_rows = kSumChunk * kChunksPerGroup, groups = (M + group_rows - 1) / group_rows;
+  if (groups == 1 && !at::in_parallel_region()) {
+    // One group would be one task, all three gradients on one thread: instead each is a product of
+    // its own, split among the threads as multiply_on_float32_route splits it (dx by rows or
+    // columns, dW by columns), each value summed in the same order as in the one pass below.
+    if (want_x) {
+      const auto widened_x = round_grad_x ? at::empty({M, K}, float32) : out.grad_x;
+      multiply_on_float32_route(false, weight.transposed, M, K, N, grad_bits, N, bits_of(weight.tensor), weight.ld, 0.0f,
+                                widened_x.data_ptr<float>(), K);
+      if (round_grad_x) {
+        const float* from = widened_x.data_ptr<float>();
+        at::parallel_for(0, M * K, kRoundingGrain, [&](int64_t begin, int64_t end) {
+          round_values(from + begin, grad_x_bits + begin, end - begin);
+        });
+      }
+    }
+    if (want_weight) {  // dW (N × K) = gradᵀ · x
+      out.grad_weight = at::empty({N, K}, float32);
+      multiply_on_float32_route(true, false, N, K, M, grad_bits, N, x_bits, K, 0.0f,
+                                out.grad_weight.data_ptr<float>(), K);
+    }
+    if (want_bias) {  // db = the rows of grad, added in order
+      out.grad_bias = at::empty({N}, float32);
+      float* grad_bias = out.grad_bias.data_ptr<float>();
+      thread_local std::vector<float> row_kept;
+      const Scratch row(row_kept, N);
+      widen_values(grad_bits, grad_bias, N);
+      for (int64_t r = 1; r < M; ++r) {
+        widen_values(grad_bits + r * N, row.data(), N);
+        add_into(grad_bias, row.data(), N);
+      }
+    }
+    return out;
+  }
+  // Each group's partial dW (N × K) and db (N), side by side.
   const int64_t group_stride = (want_weight ? N * K : 0) + (want_bias ? N : 0);
   thread_local std::vector<float> partial_kept;
   const Scratch partial_scratch(partial_kept, groups * group_stride);
