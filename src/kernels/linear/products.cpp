@@ -432,10 +432,12 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
     }
   }
   const int64_t group_rows = kSumChunk * kChunksPerGroup, groups = (M + group_rows - 1) / group_rows;
-  if (groups == 1 && !at::in_parallel_region()) {
+  if (groups == 1 && at::get_num_threads() > 1 && !at::in_parallel_region()) {
     // One group would be one task, all three gradients on one thread: instead each is a product of
     // its own, split among the threads as multiply_on_float32_route splits it (dx by rows or
-    // columns, dW by columns), each value summed in the same order as in the one pass below.
+    // columns, dW by columns). dW and db are summed in the same order as in the one pass below; dx
+    // too, but for 256 rows or fewer, where a sum over more than 256 outputs runs in chunks of 256.
+    // (On one thread the one pass stays: it widens each block of grad once for all three.)
     if (want_x) {
       const auto widened_x = round_grad_x ? at::empty({M, K}, float32) : out.grad_x;
       multiply_on_float32_route(false, weight.transposed, M, K, N, grad_bits, N, bits_of(weight.tensor), weight.ld, 0.0f,
