@@ -56,6 +56,12 @@ constexpr int64_t kColumnsPerPanel = 32;
 constexpr double kFewestMultiplyAddsPerTask = 1 << 18;
 constexpr double kFewestMultiplyAddsPerTransposedTask = 1 << 20;
 
+// The columns first.. of op(B) as stored: B's columns, or (transposed) its rows.
+template <typename T>
+const T* columns_of(const T* b, bool transposed, int64_t ld, int64_t first) {
+  return transposed ? b + first * ld : b + first;
+}
+
 // Columns of C per task for a product of m × n × k on the threads at hand (n: one task).
 int64_t columns_per_task(int64_t m, int64_t n, int64_t k, bool transpose_a) {
   const auto threads = static_cast<int64_t>(std::max(1, at::get_num_threads()));
@@ -279,9 +285,8 @@ void multiply_on_float32_route(bool transpose_a, bool transpose_b, int64_t m, in
     at::parallel_for(0, (n + columns_each - 1) / columns_each, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t first = task * columns_each, columns = std::min(columns_each, n - first);
-        // op(B)[:, first:first+columns] as stored
-        const T* b_part = transpose_b ? b + first * ldb : b + first;
-        multiply_by_chunks(transpose_a, transpose_b, m, columns, k, a, lda, b_part, ldb, beta, c + first, ldc);
+        multiply_by_chunks(transpose_a, transpose_b, m, columns, k, a, lda, columns_of(b, transpose_b, ldb, first), ldb,
+                           beta, c + first, ldc);
       }
     });
     return;
@@ -364,7 +369,7 @@ at::Tensor bfloat16_product(Bfloat16Gemm gemm, int64_t m, int64_t n, int64_t k, 
         Float32Right part;
         for (int64_t task = begin; task < end; ++task) {
           const int64_t first = task * columns_each, columns = std::min(columns_each, n - first);
-          part.prepare(b.transposed, k, columns, b_bits + (b.transposed ? first * b.ld : first), b.ld);
+          part.prepare(b.transposed, k, columns, columns_of(b_bits, b.transposed, b.ld, first), b.ld);
           if (bias_row) {
             for (int64_t r = 0; r < m; ++r) std::copy(bias_row + first, bias_row + first + columns, block + r * columns);
           }
@@ -418,19 +423,6 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
   if (M == 0) return out;  // the callers route no empty product here
   const uint16_t* grad_bits = bits_of(grad);
   const uint16_t* x_bits = want_weight ? bits_of(x) : nullptr;
-  // dx's products read all of W (N × K): packed, widened, once.
-  Float32Right w_right;
-  if (want_x) w_right.prepare(weight.transposed, N, K, bits_of(weight.tensor), weight.ld);
-  float* grad_x_values = nullptr;
-  uint16_t* grad_x_bits = nullptr;
-  if (want_x) {
-    out.grad_x = at::empty({M, K}, round_grad_x ? grad.options() : float32);
-    if (round_grad_x) {
-      grad_x_bits = reinterpret_cast<uint16_t*>(out.grad_x.data_ptr<at::BFloat16>());
-    } else {
-      grad_x_values = out.grad_x.data_ptr<float>();
-    }
-  }
   const int64_t group_rows = kSumChunk * kChunksPerGroup, groups = (M + group_rows - 1) / group_rows;
   if (groups == 1 && at::get_num_threads() > 1 && !at::in_parallel_region()) {
     // One group would be one task, all three gradients on one thread: instead each is a product of
@@ -439,15 +431,10 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
     // too, but for 256 rows or fewer, where a sum over more than 256 outputs runs in chunks of 256.
     // (On one thread the one pass stays: it widens each block of grad once for all three.)
     if (want_x) {
-      const auto widened_x = round_grad_x ? at::empty({M, K}, float32) : out.grad_x;
+      auto grad_x = at::empty({M, K}, float32);
       multiply_on_float32_route(false, weight.transposed, M, K, N, grad_bits, N, bits_of(weight.tensor), weight.ld, 0.0f,
-                                widened_x.data_ptr<float>(), K);
-      if (round_grad_x) {
-        const float* from = widened_x.data_ptr<float>();
-        at::parallel_for(0, M * K, kRoundingGrain, [&](int64_t begin, int64_t end) {
-          round_values(from + begin, grad_x_bits + begin, end - begin);
-        });
-      }
+                                grad_x.data_ptr<float>(), K);
+      out.grad_x = round_grad_x ? round_to_bfloat16(grad_x) : grad_x;
     }
     if (want_weight) {  // dW (N × K) = gradᵀ · x
       out.grad_weight = at::empty({N, K}, float32);
@@ -466,6 +453,19 @@ LinearGradients linear_gradients_widened(const at::Tensor& grad, const at::Tenso
       }
     }
     return out;
+  }
+  // dx's products read all of W (N × K): packed, widened, once.
+  Float32Right w_right;
+  if (want_x) w_right.prepare(weight.transposed, N, K, bits_of(weight.tensor), weight.ld);
+  float* grad_x_values = nullptr;
+  uint16_t* grad_x_bits = nullptr;
+  if (want_x) {
+    out.grad_x = at::empty({M, K}, round_grad_x ? grad.options() : float32);
+    if (round_grad_x) {
+      grad_x_bits = reinterpret_cast<uint16_t*>(out.grad_x.data_ptr<at::BFloat16>());
+    } else {
+      grad_x_values = out.grad_x.data_ptr<float>();
+    }
   }
   // Each group's partial dW (N × K) and db (N), side by side.
   const int64_t group_stride = (want_weight ? N * K : 0) + (want_bias ? N : 0);
