@@ -8,17 +8,18 @@
 #     at each precision in the same rounds, and their ratio against issue 21's goal for the
 #     instruction set that ran (amx_bf16 >= 1.5, avx512_bf16 >= 1.2, without either >= 1.0).
 #   scripts/bench_lm.sh [--threads N] [--rounds R] [--steps S] [--qkv WHERE ...] [--pytorch WHERE|none]
-#                       [--dropout P] [--precision P ...] [--emulate avx2|avx512] [--no-generation]
+#                       [--dropout P] [--precision P ...] [--emulate avx2|avx512] [--no-generation] [--data FILE]
 # Defaults: threads = cores, 3 rounds, 30 training steps per measurement, qkv-train and PyTorch on
 # this machine (WHERE: host, or a Debian release's chroot as in scripts/bench.sh; --qkv is
 # repeatable: --qkv host --qkv sid times qkv built on this machine's LibTorch and on unstable's in
 # the same rounds), the lm's dropout (0.1; both sides take --dropout P), qkv-train in fp32 (the
 # PyTorch side, float32, is compared with qkv's fp32 run). --pytorch none and --no-generation
 # leave those measurements out; --emulate makes this CPU look like one without bfloat16
-# instructions (scripts/bench_env.sh). Prints one table.
+# instructions (scripts/bench_env.sh); --data trains on another text (qkv-train's --data, e.g. the
+# default text carried as a plain file where Debian's dict-devil is not installed). Prints one table.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-threads=$(nproc) rounds=3 steps=30 pytorch=host dropout=() qkv_sides=() precisions=() emulate="" generation=true
+threads=$(nproc) rounds=3 steps=30 pytorch=host dropout=() data=() qkv_sides=() precisions=() emulate="" generation=true
 while [[ $# -gt 0 ]]; do
   case $1 in
     --threads) threads=$2; shift 2 ;;
@@ -27,10 +28,11 @@ while [[ $# -gt 0 ]]; do
     --qkv) qkv_sides+=("$2"); shift 2 ;;
     --pytorch) pytorch=$2; shift 2 ;;
     --dropout) dropout=(--dropout "$2"); shift 2 ;;
+    --data) data=(--data "$2"); shift 2 ;;
     --precision) precisions+=("$2"); shift 2 ;;
     --emulate) emulate=$2; shift 2 ;;
     --no-generation) generation=false; shift ;;
-    -h|--help) sed -n 2,19p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     *) echo "bench_lm.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -113,13 +115,13 @@ run_lm_pytorch() {
 # its summary); and for each qkv side a model to generate from, with a context of 320 for 256 new
 # tokens after the prompt (its weights do not change the speed).
 if [[ $pytorch != none ]]; then
-  "$train" --task lm --device cpu --threads "$threads" --steps 1 --eval-every 1000 --quiet "${dropout[@]}" \
+  "$train" --task lm --device cpu --threads "$threads" --steps 1 --eval-every 1000 --quiet "${dropout[@]}" "${data[@]}" \
     --out "$work/defaults" > /dev/null
 fi
 if $generation; then
   for side in "${qkv_sides[@]}"; do  # each side's own checkpoint, in its LibTorch's format
     run_qkv_train "$side" --task lm --device cpu --threads "$threads" --seq-len 320 --steps 2 --eval-every 1000 \
-      --quiet --json --out "$work/model-$side" > /dev/null
+      "${data[@]}" --quiet --json --out "$work/model-$side" > /dev/null
   done
 fi
 
@@ -140,7 +142,7 @@ for round in $(seq 1 "$rounds"); do
       run="$work/train-$side-$precision"
       rm -rf "$run"
       run_qkv_train "$side" --task lm --device cpu --threads "$threads" --steps $((warmup + steps)) --log-every 1 \
-        --eval-every 100000 --quiet "${dropout[@]}" --precision "$precision" --json --out "$run" > /dev/null
+        --eval-every 100000 --quiet "${dropout[@]}" "${data[@]}" --precision "$precision" --json --out "$run" > /dev/null
       printf 'train\t%s\t%s\t%s\t%s\n' "$side" "$precision" "$round" "$(steady_tokens_per_s "$run")" >> "$results"
     done
   done

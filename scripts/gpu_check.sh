@@ -1,42 +1,126 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, after ../shared/device/run.sh has built qkv against its CUDA LibTorch
-# and run ctest (CUDA tests included). Prepared for one device call:
-#   scripts/gpu_prepare.sh           # here: the shared kit plus nlohmann-json and Google Benchmark
-#   device run, carry [".device"]:   bash .device/run.sh scripts/gpu_check.sh
-# Runs the training tasks on CUDA in float32 and bfloat16, data parallelism with CUDA tensors,
-# and last the benchmark against PyTorch (its table is the end of the output).
+# (and run the CUDA tests: CTEST_ARGS="-R CUDA|Cuda"). Prepared for one device call:
+#   scripts/gpu_prepare.sh           # here: the shared kit, nlohmann-json, Google Benchmark, the lm's text
+#   device run, carry [".device"]:
+#     QKV_GPU_DEADLINE=$(( $(date +%s) + 540 )) CTEST_ARGS='-R CUDA|Cuda' bash .device/run.sh scripts/gpu_check.sh
+# Phases, most telling first, each cut off so that the whole call ends by QKV_GPU_DEADLINE (epoch
+# seconds; default 7 minutes from now) and its logs come back:
+#   1. the machine: GPU, CPU model and flags (amx_bf16?), torch;
+#   2. qkv-train on CUDA: reverse and lookup in fp32, bf16-mixed and fp16-mixed (their figures to
+#      set against the CPU's); the language model (short run) in the three precisions; the seed example;
+#      two Gloo ranks sharing the GPU against one process;
+#   3. issue 21 on this machine's CPU (when it has AMX): the bfloat16 core and module step against
+#      qkv's float32 and PyTorch's CPU attention, 2 threads, and the language model's tokens/s;
+#   4. scripts/bench.sh --device cuda against PyTorch on the same GPU;
+#   5. the whole ctest suite (python3 with torch stands in for Debian's /usr/bin/python3).
+# Everything goes to $OUT/gpu-check.tar.gz (logs, JSON, summaries); figures are printed as they come.
 set -uo pipefail
 build=${BUILD:?run through .device/run.sh, which sets BUILD}
 out=${OUT:-/tmp/out}
+deadline=${QKV_GPU_DEADLINE:-$(( $(date +%s) + 420 ))}
+logs=/tmp/gpu-check
+rm -rf "$logs"; mkdir -p "$logs" "$out"
 train="$build/apps/qkv-train"
+text=.device/devil.txt   # the lm's default text (Debian's dict-devil), carried as plain text
 status=0
-for dtype in float32 bfloat16; do
-  for task in reverse lookup; do
-    echo "== qkv-train --task $task --device cuda --dtype $dtype"
-    "$train" --task "$task" --device cuda --dtype "$dtype" --out "$out/$task-$dtype" --quiet || status=1
+trap 'tar -C /tmp -czf "$out/gpu-check.tar.gz" gpu-check 2> /dev/null' EXIT
+
+phase() { echo; echo "== $* ($(date -u +%T), $(( deadline - $(date +%s) )) s left)"; }
+# capped SECONDS COMMAND...: at most SECONDS, and never past the deadline (minus 20 s for the tar).
+capped() {
+  local cap=$1 left=$(( deadline - 20 - $(date +%s) ))
+  shift
+  (( left < cap )) && cap=$left
+  if (( cap < 5 )); then echo "(not run: out of time) $*"; return 124; fi
+  timeout -k 5 "$cap" "$@"
+  local rc=$?
+  (( rc == 124 )) && echo "(cut off after $cap s) $*"
+  return $rc
+}
+# summary FILE: the figures of a qkv-train --json summary in one line.
+summary() {
+  python3 - "$1" << 'PY'
+import json, sys
+try:
+    s = json.loads([l for l in open(sys.argv[1]) if l.startswith("{")][-1])
+except Exception as e:
+    print(f"  no summary in {sys.argv[1]} ({e})"); sys.exit(0)
+o = s.get("options", {})
+print(f"  {o.get('task')} {s.get('device')} {s.get('precision')}: eval {json.dumps(s.get('eval'))} "
+      f"final_loss {s.get('final_loss'):.5f} loss_scale {s.get('loss_scale')} "
+      f"tokens/s {s.get('tokens_per_s', '-')} elapsed {s.get('elapsed_s', '-')}")
+PY
+}
+
+phase "1. the machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+grep -m1 'model name' /proc/cpuinfo
+echo "cores: $(nproc); bf16 flags: $(grep -m1 -o -w -E 'amx_bf16|amx_tile|avx512_bf16|avx512f' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "threads", torch.get_num_threads())'
+if ! /usr/bin/python3 -c 'import torch' 2> /dev/null; then
+  # The suite's Python references run /usr/bin/python3 (Debian's, with python3-torch); here the
+  # PyTorch is another interpreter's. A disposable machine: point /usr/bin/python3 at it.
+  [[ -e /usr/bin/python3 ]] && mv /usr/bin/python3 /usr/bin/python3.image
+  printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /usr/bin/python3 && chmod +x /usr/bin/python3
+  /usr/bin/python3 -c 'import torch; print("/usr/bin/python3 now runs torch", torch.__version__)'
+fi
+
+phase "2. qkv-train on CUDA"
+# (the CPU's figures for the same runs: tests/test_qkv_train.cpp's runs, or qkv-train --device cpu here)
+for task in reverse lookup; do
+  for precision in fp32 bf16-mixed fp16-mixed; do
+    capped 60 "$train" --task "$task" --device cuda --precision "$precision" --json --quiet --out "$logs/$task-cuda-$precision" \
+      > "$logs/$task-cuda-$precision.json" 2> "$logs/$task-cuda-$precision.err" || { status=1; tail -5 "$logs/$task-cuda-$precision.err"; }
+    summary "$logs/$task-cuda-$precision.json"
   done
 done
-echo "== seed example on CUDA"
-"$train" --task seed --device cuda || status=1
-# Data parallelism with CUDA tensors: 2 processes sharing the one GPU through Gloo, compared with
-# one process on the whole batch; then NCCL, which needs a GPU per process (expected: a clear refusal).
-echo "== qkv-train --nproc 2 --device cuda --dist-backend gloo"
-"$train" --task reverse --device cuda --nproc 2 --dist-backend gloo --steps 200 --save-replicas \
-  --out "$out/ddp-gloo-cuda" --quiet || status=1
-"$train" --task reverse --device cuda --steps 200 --out "$out/single-cuda" --quiet || status=1
-python3 - "$out" <<'PY' || status=1
+for precision in fp32 bf16-mixed fp16-mixed; do
+  capped 90 "$train" --task lm --device cuda --data "$text" --steps 600 --eval-every 600 --precision "$precision" \
+    --json --quiet --out "$logs/lm-cuda-$precision" > "$logs/lm-cuda-$precision.json" 2> "$logs/lm-cuda-$precision.err" ||
+    { status=1; tail -5 "$logs/lm-cuda-$precision.err"; }
+  summary "$logs/lm-cuda-$precision.json"
+done
+echo "-- seed example on CUDA"
+capped 30 "$train" --task seed --device cuda 2>&1 | tail -4
+echo "-- 2 Gloo ranks sharing the GPU against one process on the whole batch"
+capped 60 "$train" --task reverse --device cuda --nproc 2 --dist-backend gloo --steps 200 --save-replicas --quiet \
+  --out "$logs/ddp-gloo-cuda" > "$logs/ddp-gloo-cuda.log" 2>&1 || { status=1; tail -5 "$logs/ddp-gloo-cuda.log"; }
+capped 60 "$train" --task reverse --device cuda --steps 200 --quiet --out "$logs/single-cuda" > "$logs/single-cuda.log" 2>&1 || status=1
+python3 - "$logs" << 'PY' || status=1
 import sys, torch
-out = sys.argv[1]
-a, b = (torch.load(f"{out}/ddp-gloo-cuda/replica-{r}.pt") for r in (0, 1))
-c = torch.load(f"{out}/single-cuda/model.pt")
-print("replicas max |diff|:", max((a[k] - b[k]).abs().max().item() for k in a))
-print("2 ranks vs 1 process max |diff|:", max((a[k] - c[k]).abs().max().item() for k in a))
+d = sys.argv[1]
+try:
+    a, b = (torch.load(f"{d}/ddp-gloo-cuda/replica-{r}.pt") for r in (0, 1))
+    c = torch.load(f"{d}/single-cuda/model.pt")
+except Exception as e:
+    print("  replicas not readable:", e); sys.exit(1)
+print("  replicas max |diff|:", max((a[k].float() - b[k].float()).abs().max().item() for k in a))
+print("  2 ranks vs 1 process max |diff|:", max((a[k].float() - c[k].float()).abs().max().item() for k in a))
 sys.exit(0 if all(torch.equal(a[k], b[k]) for k in a) else 1)
 PY
-echo "== qkv-train --nproc 2 --device cuda --dist-backend nccl (one GPU: expect a refusal naming the GPU count)"
-"$train" --task reverse --device cuda --nproc 2 --dist-backend nccl --steps 20 --quiet
-echo "exit status $?"
-echo "== scripts/bench.sh --device cuda"
-QKV_BUILD_DIR=$build QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 \
-  scripts/bench.sh --device cuda --rounds 2 --out "$out/bench-cuda.json" || status=1
+echo "-- NCCL with one GPU (a clear refusal expected)"
+capped 30 "$train" --task reverse --device cuda --nproc 2 --dist-backend nccl --steps 20 --quiet 2>&1 | tail -3
+
+phase "3. issue 21 on this CPU"
+if grep -q -w amx_bf16 /proc/cpuinfo; then
+  capped 120 env QKV_BUILD_DIR="$build" QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 scripts/bench.sh --threads 2 --rounds 2 \
+    --pytorch host --out "$logs/bench-cpu-amx.json" \
+    --cases '^(flash|bf16)_n(512_bh64|2048_bh2)_forward_backward$|^medium_train_step|^bf16_n4096_forward$|^bf16_gemm_4096$' \
+    2>&1 | tee "$logs/bench-cpu-amx.txt" | tail -40 || status=1
+  capped 80 env QKV_BUILD_DIR="$build" QKV_SKIP_BUILD=1 scripts/bench_lm.sh --rounds 2 --threads 2 --precision fp32 \
+    --precision bf16-mixed --pytorch none --no-generation --data "$text" 2>&1 | tee "$logs/bench-lm-amx.txt" | tail -12
+else
+  echo "no amx_bf16 on this CPU: issue 21's AMX goals not measured here"
+fi
+
+phase "4. scripts/bench.sh --device cuda"
+capped 90 env QKV_BUILD_DIR="$build" QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 scripts/bench.sh --device cuda --rounds 1 \
+  --pytorch host --out "$logs/bench-cuda.json" 2>&1 | tee "$logs/bench-cuda.txt" | tail -30 || status=1
+phase "5. the whole ctest suite"
+capped 170 ctest --test-dir "$build" -j 12 --timeout 160 --output-on-failure > "$logs/ctest-all.log" 2>&1
+echo "passed $(grep -c ' Passed ' "$logs/ctest-all.log"), skipped $(grep -c 'Skipped ' "$logs/ctest-all.log")"
+grep -E "tests passed|tests failed|\*\*\*Failed|\*\*\*Timeout|Not Run|Exception|Failed " "$logs/ctest-all.log" | head -40
+
+phase "done, status $status"
 exit $status

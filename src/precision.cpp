@@ -6,7 +6,10 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <algorithm>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 namespace qkv {
 
@@ -92,16 +95,24 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
               "GradScaler::unscale_: already called for this optimizer since the last update()");
   const double inverse = 1.0 / scale_;
   torch::NoGradGuard no_grad;
-  bool found_inf = false;
+  // One reduction per gradient, and one read of their verdicts per device: what torch's
+  // _amp_foreach_non_finite_check_and_unscale_ does on CUDA, without needing that kernel on the
+  // CPU of LibTorch 1.13. A read per gradient would wait for a CUDA device once per parameter.
+  std::vector<std::pair<torch::Device, std::vector<torch::Tensor>>> finite_by_device;
   for (auto& group : optimizer.param_groups()) {
     for (auto& parameter : group.params()) {
       auto& grad = parameter.mutable_grad();
       if (!grad.defined()) continue;
       grad.mul_(inverse);
-      // One reduction per tensor, read once per step: what torch's _amp_foreach_non_finite_check_
-      // and_unscale_ does on CUDA, without needing that kernel on the CPU of LibTorch 1.13.
-      if (!found_inf) found_inf = !grad.isfinite().all().item<bool>();
+      auto on_device = std::find_if(finite_by_device.begin(), finite_by_device.end(),
+                                    [&](const auto& entry) { return entry.first == grad.device(); });
+      if (on_device == finite_by_device.end()) on_device = finite_by_device.insert(on_device, {grad.device(), {}});
+      on_device->second.push_back(grad.isfinite().all());
     }
+  }
+  bool found_inf = false;
+  for (const auto& [device, finite] : finite_by_device) {
+    found_inf = found_inf || !torch::stack(finite).all().item<bool>();
   }
   record.found_inf = found_inf;
   record.stage = Stage::Unscaled;

@@ -1,9 +1,11 @@
 // Mixed precision: qkv::AutocastGuard (LibTorch's autocast state for a scope) and qkv::GradScaler
-// (torch.amp.GradScaler's loss scaling) on the CPU, against what they must do by definition.
+// (torch.amp.GradScaler's loss scaling) on the CPU and, where there is one, on a CUDA device, against
+// what they must do by definition.
 #include "support/fixtures.h"
 
 #include <gmock/gmock.h>
 
+#include <algorithm>
 #include <limits>
 
 namespace {
@@ -74,16 +76,78 @@ TEST(AutocastGuard, UnsupportedCombinationsAreRefusedNamingThem) {
   }
 }
 
-// A tiny model and an SGD optimizer for the scaler's tests.
+// On CUDA both dtypes are autocast's; the guard sets CUDA's state and leaves the CPU's alone.
+TEST(AutocastGuard, CudaLinearLayersComputeInTheGuardsDtypeAndTheCpuStateStays) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "CUDA not available";
+  torch::nn::Linear linear(8, 8);
+  linear->to(torch::kCUDA);
+  const auto x = torch::randn({4, 8}, torch::kCUDA);
+  for (const auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    ASSERT_TRUE(qkv::AutocastGuard::supports(torch::kCUDA, dtype)) << dtype;
+    {
+      const qkv::AutocastGuard autocast(torch::kCUDA, dtype);
+      EXPECT_EQ(linear(x).scalar_type(), dtype);
+      EXPECT_EQ(torch::nn::Linear(8, 8)(torch::randn({4, 8})).scalar_type(), torch::kFloat)
+          << "a CUDA guard made the CPU's products " << dtype;
+    }
+    EXPECT_EQ(linear(x).scalar_type(), torch::kFloat) << "the state after the guard";
+  }
+  EXPECT_EQ(linear->weight.scalar_type(), torch::kFloat);
+}
+
+// The module under CUDA autocast (float16 and bfloat16): output and every gradient close to the
+// float32 module's on the same device, within the half type's tolerance for the longest sum.
+TEST(AutocastGuard, CudaSelfAttentionForwardAndGradientsAreCloseToFloat32) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "CUDA not available";
+  torch::manual_seed(2);
+  qkv::SelfAttention attention(qkv::SelfAttentionOptions(64).num_heads(4).causal(true));
+  attention->to(torch::kCUDA);
+  const auto x = torch::randn({2, 40, 64}, torch::kCUDA);
+  const auto target = torch::randn({2, 40, 64}, torch::kCUDA);
+  auto run = [&](c10::optional<torch::ScalarType> dtype) {
+    const auto input = x.clone().requires_grad_(true);
+    attention->zero_grad();
+    torch::Tensor output;
+    {
+      const qkv::AutocastGuard autocast(torch::kCUDA, dtype.value_or(torch::kHalf), dtype.has_value());
+      output = attention(input);
+    }
+    torch::mse_loss(output.to(torch::kFloat), target).backward();
+    std::vector<torch::Tensor> results{output.detach().to(torch::kFloat), input.grad()};
+    for (const auto& parameter : attention->parameters()) results.push_back(parameter.grad().clone());
+    return std::make_pair(output.scalar_type(), results);
+  };
+  const auto [reference_dtype, reference] = run(c10::nullopt);
+  EXPECT_EQ(reference_dtype, torch::kFloat);
+  double parameter_scale = 0.0;
+  for (size_t i = 2; i < reference.size(); ++i) parameter_scale = std::max(parameter_scale, qkv_test::max_abs(reference[i]));
+  for (const auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    const auto [mixed_dtype, mixed] = run(dtype);
+    EXPECT_EQ(mixed_dtype, dtype);
+    ASSERT_EQ(mixed.size(), reference.size());
+    for (size_t i = 0; i < mixed.size(); ++i) {
+      // A parameter's gradient is judged against the largest of them (the key bias's exact
+      // gradient is 0: softmax ignores it, and what comes out is rounding noise).
+      EXPECT_TRUE(qkv_test::tensors_close(mixed[i].to(torch::kFloat), reference[i],
+                                          qkv_test::tolerance_for(dtype, 2 * 40 * 64),
+                                          i >= 2 ? parameter_scale : 0.0))
+          << dtype << ", result " << i << " (0 the output, 1 the input's gradient, then the parameters')";
+    }
+  }
+}
+
+// A tiny model and an SGD optimizer for the scaler's tests, on the CPU or a CUDA device.
 struct Problem {
+  torch::Device device;
   torch::nn::Linear model{4, 3};
   std::unique_ptr<torch::optim::SGD> optimizer;
-  Problem() {
+  explicit Problem(torch::Device on = torch::kCPU) : device(on) {
     torch::manual_seed(5);
     model = torch::nn::Linear(4, 3);
+    model->to(device);
     optimizer = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1));
   }
-  torch::Tensor loss() { return model(torch::ones({2, 4})).pow(2).sum(); }
+  torch::Tensor loss() { return model(torch::ones({2, 4}, device)).pow(2).sum(); }
 };
 
 TEST(GradScaler, AStepWithAnInfGradientIsSkippedAndTheScaleHalves) {
@@ -105,6 +169,37 @@ TEST(GradScaler, AStepWithAnInfGradientIsSkippedAndTheScaleHalves) {
   const auto unscaled = p.model->weight.grad().clone();
   p.optimizer->zero_grad();
   p.loss().backward();
+  EXPECT_TRUE(qkv_test::tensors_close(unscaled, p.model->weight.grad(), 1e-6));
+}
+
+// The same on CUDA, under float16 autocast as fp16-mixed trains: an overflow in the second
+// parameter's gradient (after a finite first one) skips the step and halves the scale; the next
+// step's unscaled gradients are the true ones.
+TEST(GradScaler, OnCudaAnInfOrNanGradientIsSkippedAndTheScaleHalves) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "CUDA not available";
+  Problem p(torch::kCUDA);
+  qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(1024.0));
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    const auto before = p.model->weight.detach().clone();
+    const auto scale_before = scaler.get_scale();
+    p.optimizer->zero_grad();
+    {
+      const qkv::AutocastGuard autocast(torch::kCUDA, torch::kHalf);
+      scaler.scale(p.loss()).backward();
+    }
+    p.model->bias.mutable_grad()[1] = bad;
+    EXPECT_FALSE(scaler.step(*p.optimizer)) << bad;
+    scaler.update();
+    EXPECT_TRUE(torch::equal(p.model->weight, before)) << "the step was applied (" << bad << ")";
+    EXPECT_EQ(scaler.get_scale(), scale_before / 2) << bad;
+  }
+  p.optimizer->zero_grad();
+  scaler.scale(p.loss()).backward();
+  scaler.unscale_(*p.optimizer);
+  const auto unscaled = p.model->weight.grad().clone();
+  p.optimizer->zero_grad();
+  p.loss().backward();
+  EXPECT_TRUE(unscaled.is_cuda());
   EXPECT_TRUE(qkv_test::tensors_close(unscaled, p.model->weight.grad(), 1e-6));
 }
 
