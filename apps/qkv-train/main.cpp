@@ -39,8 +39,8 @@ void print_summary(const qkv_train::RunConfig& config, const nlohmann::json& s) 
   }
 }
 
-// In a distributed run each process trains on a share of the batch: LibTorch's default (all
-// cores) in every process would oversubscribe the machine.
+// In a distributed run each process trains on a share of the batch: LibTorch's default (a thread
+// per physical core as it counts them) in every process would oversubscribe the machine.
 void set_threads(const qkv_train::RunConfig& config, const std::optional<qkv_train::DistributedEnv>& env) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (config.threads > 0) {
