@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, after ../shared/device/run.sh has built qkv against its CUDA LibTorch
-# (and run the CUDA tests: CTEST_ARGS="-R CUDA|Cuda"). Prepared for one device call:
+# and run the tests that CTEST_ARGS picks (the CUDA tests, and the tiled kernel's, which take AMX
+# where that machine's CPU has it). Prepared for one device call:
 #   scripts/gpu_prepare.sh           # here: the shared kit, nlohmann-json, Google Benchmark, the lm's text
-#   device run, carry [".device"]:
-#     QKV_GPU_DEADLINE=$(( $(date +%s) + 540 )) CTEST_ARGS='-R CUDA|Cuda' bash .device/run.sh scripts/gpu_check.sh
+#   device run, carry [".device"], timeout_s 500, command:
+#     export QKV_GPU_DEADLINE=$(( $(date +%s) + 470 )); export CTEST_ARGS='-j8 -R CUDA|Cuda|InvalidUse\.DeviceMismatch|^Numerics\.|^Tiled|^PackedProducts|^RowOperations|^BackendsAgree'; bash .device/run.sh bash scripts/gpu_check.sh
+# (a build that fails ends the call there, cheaply, leaving device time for a second call).
 # Phases, most telling first, each cut off so that the whole call ends by QKV_GPU_DEADLINE (epoch
 # seconds; default 7 minutes from now) and its logs come back:
 #   1. the machine: GPU, CPU model and flags (amx_bf16?), torch;
