@@ -14,6 +14,8 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <sstream>
+#include <tuple>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -70,6 +72,49 @@ TEST(TrainApp, SeedTaskPrintsThePythonExamplesLines) {
   // Python prints the float's shortest round-trip form; so does qkv-train.
   const double printed = std::stod(run.output.substr(run.output.find("Loss: ") + 6));
   EXPECT_NEAR(printed, expected["loss"].get<double>(), 1e-6) << run.output;
+}
+
+// The last line of a run's output that is a JSON object (the summary of --json; logs may precede it).
+nlohmann::json last_json_line(const std::string& output) {
+  std::istringstream lines(output);
+  nlohmann::json found;
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.empty() && line.front() == '{') found = nlohmann::json::parse(line);
+  }
+  return found;
+}
+
+// --precision on the documents' example: the weights stay float32, the forward computes in the
+// half type (its output is bfloat16 / float16), the loss is taken in float32 and is the float32
+// run's within that type's tolerance; fp16-mixed runs where LibTorch's CPU autocast has float16
+// (2.x), with the loss scale, and is refused with status 2 on 1.13. Trained, the loss falls as in float32.
+TEST(TrainApp, SeedTaskInMixedPrecision) {
+  auto fp32 = train("--task seed --device cpu --json --steps 20");
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
+  const auto reference = last_json_line(fp32.output);
+  const double reference_loss = reference["initial_loss"].get<double>();
+  EXPECT_EQ(reference["precision"], "fp32");
+  EXPECT_EQ(reference["output_dtype"], "Float");
+  const std::vector<std::tuple<std::string, torch::ScalarType, std::string>> precisions{
+      {"bf16-mixed", torch::kBFloat16, "BFloat16"}, {"fp16-mixed", torch::kHalf, "Half"}};
+  for (const auto& [precision, dtype, type_name] : precisions) {
+    auto run = train("--task seed --device cpu --json --steps 20 --precision " + precision, /*merge_stderr=*/true);
+    if (!qkv::AutocastGuard::supports(torch::kCPU, dtype)) {
+      EXPECT_EQ(run.exit_code, 2) << run.output;
+      EXPECT_THAT(run.output, HasSubstr("CPU autocast takes bfloat16 only"));
+      continue;
+    }
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    const auto summary = last_json_line(run.output);
+    EXPECT_EQ(summary["precision"], precision);
+    EXPECT_EQ(summary["dtype"], "float32") << "the weights";
+    EXPECT_EQ(summary["output_dtype"], type_name);
+    const double loss = summary["initial_loss"].get<double>();
+    EXPECT_NE(loss, reference_loss) << precision << ": float32's loss to the bit, so autocast took no product";
+    EXPECT_NEAR(loss, reference_loss, qkv_test::tolerance_for(dtype, 8) * reference_loss) << precision;
+    EXPECT_LT(summary["final_loss"].get<double>(), 0.5 * loss) << precision;
+    EXPECT_EQ(summary["loss_scale"].get<double>(), dtype == torch::kHalf ? 65536.0 : 1.0) << precision;
+  }
 }
 
 TEST(TrainApp, SeedTaskJsonMatchesPythonLoss) {
@@ -424,6 +469,24 @@ TEST(ScalingExperiment, FiguresAgreeWithTheDocuments) {
   EXPECT_LT(scaled * 10, unscaled);
   EXPECT_TRUE(is_png(out / "scaling.png"));
   fs::remove_all(out);
+}
+
+// The experiment's conclusion (unscaled scores train far worse at a large d_model) holds with
+// the training under bf16 autocast; fp16-mixed where the CPU's autocast lacks it is refused at
+// once, before the measurements.
+TEST(ScalingExperiment, TheConclusionHoldsInBf16MixedPrecision) {
+  auto run = train("--task scaling --device cpu --precision bf16-mixed --json --log-level warn");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto summary = last_json_line(run.output);
+  EXPECT_EQ(summary["precision"], "bf16-mixed");
+  EXPECT_LT(summary["reverse"]["final_loss_scaled"].get<double>() * 10,
+            summary["reverse"]["final_loss_unscaled"].get<double>());
+  if (!qkv::AutocastGuard::supports(torch::kCPU, torch::kHalf)) {
+    auto refused = train("--task scaling --device cpu --precision fp16-mixed", /*merge_stderr=*/true);
+    EXPECT_EQ(refused.exit_code, 2) << refused.output;
+    EXPECT_THAT(refused.output, HasSubstr("--precision fp16-mixed on cpu"));
+    EXPECT_THAT(refused.output, ::testing::Not(HasSubstr("measured d_k"))) << "refused after the measurements";
+  }
 }
 
 TEST(TrainTasks, DamagedCheckpointsAreRefusedNamingTheFile) {

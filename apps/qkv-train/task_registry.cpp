@@ -38,7 +38,7 @@ std::vector<TaskSpec> make_registry() {
   seed.name = "seed";
   seed.description = "the documents' example: SelfAttention(8) on torch.randn(4, 8), MSE loss, backward";
   seed.defaults = {/*d_model=*/8, /*heads=*/1, /*seq_len=*/4, /*batch=*/1, /*steps=*/1, /*lr=*/0.01, 1, 1};
-  seed.flags = {"--d-model", "--seq-len", "--steps", "--lr", "--init-weights"};
+  seed.flags = {"--d-model", "--seq-len", "--steps", "--lr", "--init-weights", "--precision"};
   seed.check = [](const RunConfig&) { return std::string(); };
   seed.run = run_seed_task;
   tasks.push_back(seed);
@@ -76,7 +76,7 @@ std::vector<TaskSpec> make_registry() {
   scaling.name = "scaling";
   scaling.description = "the documents' experiment for 1/sqrt(d_k): Var(q.k), saturation, gradients, training";
   scaling.defaults = {256, 1, 16, 32, 300, 0.01, 50, 50};
-  scaling.flags = {"--d-model", "--heads", "--seq-len", "--batch", "--steps", "--lr", "--dtype", "--out"};
+  scaling.flags = {"--d-model", "--heads", "--seq-len", "--batch", "--steps", "--lr", "--dtype", "--precision", "--out"};
   scaling.check = [](const RunConfig& c) -> std::string {
     if (c.d_model <= c.seq_len) return "--task scaling trains reverse and needs --d-model > --seq-len";
     return divisible_heads(c);

@@ -5,6 +5,7 @@
 #include "checkpoint.h"
 #include "progress.h"
 #include "resources.h"
+#include "run_precision.h"
 #include "stop_signals.h"
 #include "task_registry.h"
 
@@ -83,16 +84,15 @@ class Trainer {
         device_(device),
         parallel_(parallel),
         is_main_(parallel == nullptr || parallel->is_main()),
+        precision_(config, device),  // refuses a precision autocast cannot run here, before the task loads its data
         out_(is_main_ ? fs::path(config.out_dir) : fs::path()),  // ranks other than 0 write nothing
         task_(find_task(config.task).make(config, device)),
         optimizer_(task_->make_optimizer(config.lr)),
-        scaler_(qkv::GradScalerOptions().enabled(config.precision == "fp16-mixed")),
         parameters_(task_->model().parameters()),
         shard_(parallel != nullptr ? shard_of(config.batch, parallel->rank(), parallel->world_size())
                                    : Shard{0, config.batch}) {}
 
   TrainingResult run() {
-    check_precision();
     create_output_folder();
     start_or_resume();
     open_metrics();
@@ -121,24 +121,6 @@ class Trainer {
   }
 
  private:
-  // Mixed precision needs LibTorch's autocast for the device and dtype (CPU float16 only from
-  // LibTorch 2.x): refused up front, exit status 2, rather than failing at the first product.
-  void check_precision() const {
-    const auto dtype = config_.autocast_dtype();
-    if (dtype && !qkv::AutocastGuard::supports(device_, *dtype)) {
-      throw UsageError("--precision " + config_.precision + " on " + device_.str() + ": LibTorch " + TORCH_VERSION +
-                       "'s autocast does not compute in " + c10::toString(*dtype) + " there" +
-                       (device_.is_cpu() ? " (its CPU autocast takes bfloat16 only; use bf16-mixed, or LibTorch 2.x)"
-                                         : ""));
-    }
-  }
-
-  // Autocast for a forward pass in the run's precision (none for fp32).
-  std::unique_ptr<qkv::AutocastGuard> autocast() const {
-    const auto dtype = config_.autocast_dtype();
-    return dtype ? std::make_unique<qkv::AutocastGuard>(device_, *dtype) : nullptr;
-  }
-
   void create_output_folder() {
     if (out_.empty()) return;
     std::error_code error;
@@ -154,7 +136,7 @@ class Trainer {
       spdlog::info("initial weights from {}", config_.init_weights);
     }
     if (!config_.resume_dir.empty()) {
-      const auto state = load_checkpoint(config_.resume_dir, task_->model(), *optimizer_, scaler_);
+      const auto state = load_checkpoint(config_.resume_dir, task_->model(), *optimizer_, precision_.scaler());
       step_ = state.step;
       initial_loss_ = state.initial_loss;
       last_loss_ = state.last_loss;
@@ -229,11 +211,11 @@ class Trainer {
     optimizer_->zero_grad();
     torch::Tensor loss;
     {
-      const auto precision = autocast();
+      const auto precision = precision_.autocast();
       loss = task_->training_loss(step_, shard_);
     }
     // Backward pass (of the scaled loss with fp16-mixed, so that small gradients stay representable)
-    scaler_.scale(loss).backward();
+    precision_.scaler().scale(loss).backward();
     last_loss_ = loss.item<double>();
     int stop = stop_signal_received();
     if (parallel_ != nullptr) {
@@ -251,7 +233,7 @@ class Trainer {
     }
     if (!initial_loss_) initial_loss_ = last_loss_;
     // True gradients from here on (fp16-mixed: divided by the loss scale, inf/NaN recorded).
-    scaler_.unscale_(*optimizer_);
+    precision_.scaler().unscale_(*optimizer_);
     const bool log_now = step_ % config_.log_every == 0 || step_ == config_.steps;
     std::vector<double> gradients;  // the logged figures: the global norm before clipping, then the task's
     if (log_now && is_main_) {
@@ -266,10 +248,11 @@ class Trainer {
                                              : 0.0;
     if (!gradients.empty()) gradients[0] = norm;
     // Apply gradients (fp16-mixed: skipped when a gradient overflowed, and the scale backs off)
-    if (!scaler_.step(*optimizer_)) {
-      spdlog::debug("step {}: gradients hold inf/NaN at loss scale {}: step skipped", step_, scaler_.get_scale());
+    if (!precision_.scaler().step(*optimizer_)) {
+      spdlog::debug("step {}: gradients hold inf/NaN at loss scale {}: step skipped", step_,
+                    precision_.scaler().get_scale());
     }
-    scaler_.update();
+    precision_.scaler().update();
     progress.update(step_, last_loss_);
     if (log_now && is_main_) {
       tokens_per_s_ = progress.tokens_per_second(), elapsed_s_ = progress.elapsed_seconds(), lr_ = lr;
@@ -283,7 +266,7 @@ class Trainer {
   const std::vector<double>& evaluation(Progress* progress) {
     if (!last_evaluation_ || last_evaluation_->first != step_) {
       const auto start = std::chrono::steady_clock::now();
-      const auto precision = autocast();  // evaluated in the precision it trains in
+      const auto precision = precision_.autocast();  // evaluated in the precision it trains in
       last_evaluation_.emplace(step_, task_->evaluate());
       if (progress != nullptr) {
         progress->exclude(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -308,7 +291,7 @@ class Trainer {
     row.push_back(number_cell(trained ? lr_ : config_.lr));
     row.push_back(number_cell(trained ? tokens_per_s_ : 0.0));
     row.push_back(number_cell(trained ? elapsed_s_ : 0.0));
-    row.push_back(number_cell(scaler_.get_scale()));
+    row.push_back(number_cell(precision_.scaler().get_scale()));
     row.push_back(config_.precision);
     history_.rows.push_back(row);
     if (metrics_.is_open()) {
@@ -319,7 +302,7 @@ class Trainer {
 
   void save_checkpoint() {
     if (out_.empty()) return;
-    qkv_train::save_checkpoint(out_.string(), task_->model(), *optimizer_, scaler_,
+    qkv_train::save_checkpoint(out_.string(), task_->model(), *optimizer_, precision_.scaler(),
                                {step_, initial_loss_.value_or(0.0), last_loss_, to_json(config_),
                                 task_->checkpoint_state()});
   }
@@ -348,7 +331,7 @@ class Trainer {
         {"device", device_.str()},
         {"dtype", config_.dtype_name},
         {"precision", config_.precision},
-        {"loss_scale", scaler_.get_scale()},
+        {"loss_scale", precision_.scaler().get_scale()},
         {"torch_version", TORCH_VERSION},
         {"qkv_version", QKV_VERSION_STRING},
         {"backend", qkv::to_string(task_->backend())},
@@ -389,10 +372,10 @@ class Trainer {
   const torch::Device device_;
   DataParallel* parallel_;
   const bool is_main_;
+  RunPrecision precision_;  // autocast and, for fp16-mixed, the loss scale (saved in checkpoints)
   const fs::path out_;
   std::unique_ptr<TrainableTask> task_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
-  qkv::GradScaler scaler_;  // enabled for fp16-mixed only
   std::vector<torch::Tensor> parameters_;
   const Shard shard_;
 

@@ -2,6 +2,8 @@
 #include "tasks/tasks.h"
 #include "tasks/toy_data.h"
 
+#include "run_precision.h"
+
 #include "atomic_file.h"
 
 #include <qkv/qkv.h>
@@ -87,13 +89,21 @@ std::vector<double> train_reverse(const RunConfig& config, const torch::Device& 
                                .scale(scaled ? c10::nullopt : c10::optional<double>(1.0)));
   model->to(device, config.dtype());
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(config.lr));
+  // --precision: autocast around the forward pass (the loss in float32), fp16-mixed's loss scale.
+  RunPrecision precision(config, device);
   std::vector<double> losses;
   for (int64_t step = 1; step <= config.steps; ++step) {
     const auto batch = data->sample(config.batch, step);
     optimizer.zero_grad();
-    auto loss = data->loss(model(batch.input), batch);
-    loss.backward();
-    optimizer.step();
+    torch::Tensor output;
+    {
+      const auto autocast = precision.autocast();
+      output = model(batch.input);
+    }
+    auto loss = data->loss(output.to(config.dtype()), batch);
+    precision.scaler().scale(loss).backward();
+    precision.scaler().step(optimizer);
+    precision.scaler().update();
     losses.push_back(loss.item<double>());
   }
   return losses;
@@ -116,6 +126,8 @@ std::string softmax_text(const std::vector<double>& scores) {
 
 nlohmann::json run_scaling_task(const RunConfig& config, const torch::Device& device) {
   const auto start = std::chrono::steady_clock::now();
+  // A --precision that autocast cannot run here is refused before the measurements, not after them.
+  [[maybe_unused]] const RunPrecision checked_precision(config, device);
   torch::manual_seed(config.seed);
   std::vector<DkFigures> figures;
   for (int64_t d_k = 4; d_k <= 1024; d_k *= 2) {
@@ -158,8 +170,9 @@ nlohmann::json run_scaling_task(const RunConfig& config, const torch::Device& de
     for (size_t i = losses.size() - n; i < losses.size(); ++i) sum += losses[i];
     return sum / static_cast<double>(n);
   };
-  std::printf("\nreverse, d_model %lld, %lld steps: final loss (mean of the last 10%%) scaled %.4f, unscaled %.4f\n",
-              static_cast<long long>(config.d_model), static_cast<long long>(config.steps), tail_mean(scaled_losses),
+  std::printf("\nreverse, d_model %lld, %lld steps%s: final loss (mean of the last 10%%) scaled %.4f, unscaled %.4f\n",
+              static_cast<long long>(config.d_model), static_cast<long long>(config.steps),
+              config.precision == "fp32" ? "" : (", " + config.precision).c_str(), tail_mean(scaled_losses),
               tail_mean(unscaled_losses));
   std::fflush(stdout);
   spdlog::info("scaling experiment done in {:.1f} s",
@@ -246,6 +259,7 @@ nlohmann::json run_scaling_task(const RunConfig& config, const torch::Device& de
   }
   return {{"task", "scaling"},
           {"device", device.str()},
+          {"precision", config.precision},
           {"d_k", d_k_rows},
           {"reverse",
            {{"d_model", config.d_model},

@@ -1,5 +1,7 @@
 #include "tasks/tasks.h"
 
+#include "run_precision.h"
+
 #include <qkv/qkv.h>
 
 #include <spdlog/spdlog.h>
@@ -34,24 +36,35 @@ nlohmann::json run_seed_task(const RunConfig& config, const torch::Device& devic
   attention->to(device);
 
   torch::optim::Adam optimizer(attention->parameters(), torch::optim::AdamOptions(config.lr));
+  // --precision: the weights stay float32; under bf16-mixed / fp16-mixed the projections and the
+  // attention compute in the half type (autocast), and the loss is taken in float32.
+  RunPrecision precision(config, device);
+  auto& scaler = precision.scaler();  // fp16-mixed: the loss scaled, a step with inf/NaN gradients skipped
   std::vector<double> losses;
   torch::Tensor output;
   for (int64_t step = 1; step <= config.steps; ++step) {
     // Forward pass
     optimizer.zero_grad();
-    output = attention(x);  // (N, E)
-    auto loss = torch::mse_loss(output, target);
+    {
+      const auto autocast = precision.autocast();
+      output = attention(x);  // (N, E)
+    }
+    auto loss = torch::mse_loss(output.to(torch::kFloat), target);
     // Backward pass
-    loss.backward();
+    scaler.scale(loss).backward();
     losses.push_back(loss.item<double>());
     if (step > 1 || config.steps > 1) spdlog::info("step {}/{} loss {:.6f}", step, config.steps, losses.back());
     // Apply gradients (the documents' single step stops at backward)
-    if (step < config.steps) optimizer.step();
+    if (step < config.steps) {
+      scaler.step(optimizer);
+      scaler.update();
+    }
   }
 
   if (!config.json) {
     std::printf("Input shape: %s\n", python_size(x.sizes()).c_str());
     std::printf("Output shape: %s\n", python_size(output.sizes()).c_str());
+    if (precision.name() != "fp32") std::printf("Precision: %s\n", precision.name().c_str());
     std::printf("Loss: %s\n", fmt::format("{}", losses.front()).c_str());
     if (config.steps > 1)
       std::printf("Loss after %lld steps: %s\n", static_cast<long long>(config.steps),
@@ -65,6 +78,9 @@ nlohmann::json run_seed_task(const RunConfig& config, const torch::Device& devic
       {"final_loss", losses.back()},
       {"device", device.str()},
       {"dtype", "float32"},
+      {"precision", precision.name()},
+      {"output_dtype", c10::toString(output.scalar_type())},
+      {"loss_scale", scaler.get_scale()},
       {"d_model", config.d_model},
       {"seq_len", config.seq_len},
       {"seed", config.seed},
