@@ -485,6 +485,63 @@ TEST(RowOperations, DotAndScaledWritesMatchFloat64AndBFloat16Rounding) {
   }
 }
 
+// The block versions: rows of a strided block, each row's dot product against float64 within the
+// bound above and equal to the bit to dot()'s (the summation order the backward relies on), each
+// row scaled by its own factor or a common one and rounded as c10::BFloat16 rounds; the gaps
+// between the written rows are left as they were.
+TEST(RowOperations, RowDotsAndScaledRowWritesOfStridedBlocks) {
+  std::mt19937 random(6);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (int64_t n : {1, 16, 17, 32, 40}) {
+    SCOPED_TRACE("n = " + std::to_string(n));
+    const int64_t rows = 9, x_stride = n + 3, out_stride = n + 5;
+    std::vector<float> a(rows * x_stride), b(rows * x_stride);
+    for (auto& value : a) value = normal(random);
+    for (auto& value : b) value = normal(random);
+    std::vector<c10::BFloat16> a16(a.begin(), a.end()), b16(b.begin(), b.end());
+    std::vector<float> dots(rows), dots16(rows);
+    qkv::kernels::row_dots(a.data(), x_stride, b.data(), x_stride, rows, n, dots.data());
+    qkv::kernels::row_dots(reinterpret_cast<const uint16_t*>(a16.data()), x_stride,
+                           reinterpret_cast<const uint16_t*>(b16.data()), x_stride, rows, n, dots16.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      double exact = 0, magnitude = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        exact += double(a[r * x_stride + i]) * double(b[r * x_stride + i]);
+        magnitude += std::abs(double(a[r * x_stride + i]) * double(b[r * x_stride + i]));
+      }
+      EXPECT_NEAR(dots[r], exact, (double(n) + 2) * std::ldexp(1.0, -23) * magnitude) << "row " << r;
+      EXPECT_EQ(dots[r], qkv::kernels::dot(a.data() + r * x_stride, b.data() + r * x_stride, n)) << "row " << r;
+      EXPECT_EQ(dots16[r], qkv::kernels::dot(reinterpret_cast<const uint16_t*>(a16.data() + r * x_stride),
+                                             reinterpret_cast<const uint16_t*>(b16.data() + r * x_stride), n))
+          << "row " << r;
+    }
+    std::vector<float> factors(rows);
+    for (auto& factor : factors) factor = normal(random);
+    for (const bool own_factors : {true, false}) {
+      const qkv::kernels::RowFactors row_factors{own_factors ? factors.data() : nullptr, -0.375f};
+      constexpr float kUntouched = 12345.0f;
+      constexpr uint16_t kUntouchedBits = 0xBEEF;
+      std::vector<float> out(rows * out_stride, kUntouched);
+      std::vector<uint16_t> bits(rows * out_stride, kUntouchedBits);
+      qkv::kernels::scale_rows_into(a.data(), x_stride, rows, n, row_factors, out.data(), out_stride);
+      qkv::kernels::scale_rows_into(a.data(), x_stride, rows, n, row_factors, bits.data(), out_stride);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float factor = own_factors ? factors[r] : -0.375f;
+        for (int64_t i = 0; i < out_stride; ++i) {
+          if (i >= n) {
+            EXPECT_EQ(out[r * out_stride + i], kUntouched) << "row " << r << ", gap " << i;
+            EXPECT_EQ(bits[r * out_stride + i], kUntouchedBits) << "row " << r << ", gap " << i;
+            continue;
+          }
+          const float expected = a[r * x_stride + i] * factor;
+          EXPECT_EQ(out[r * out_stride + i], expected) << "row " << r << ", " << i;
+          EXPECT_EQ(bits[r * out_stride + i], c10::BFloat16(expected).x) << "row " << r << ", " << i;
+        }
+      }
+    }
+  }
+}
+
 // Where the test expects pair (2t, 2t + 1) of column j of a panel: its own statement of the
 // layout PackedRight's bfloat16 operands have (packed_products.h).
 int64_t pair_index(int64_t t, int64_t j, int64_t width, int64_t depth) {

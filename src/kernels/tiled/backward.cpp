@@ -172,9 +172,8 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
       };
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
-        for (int64_t i = 0; i < p.N; ++i) {
-          delta[g * p.N + i] = dot_of<scalar_t, acc_t>(out.rows(b, h, i), grad_out.rows(b, h, i), p.Dv);
-        }
+        dot_rows(out.rows(b, h, 0), out.stride_row, grad_out.rows(b, h, 0), grad_out.stride_row, p.N, p.Dv,
+                 delta.data() + g * p.N);
       }
       const int64_t key_end = p.key_limit(b, p.N);
       for (int64_t j0 = split.first_key(part); j0 < split.end_key(part); j0 += kKeysPerBlock) {
@@ -307,27 +306,24 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
         if constexpr (std::is_same_v<acc_t, float>) {
           if (kind.bf16) {  // dKᵀ, dVᵀ back to rows of keys
             transpose(grad_k_block.data(), transposed_stride, p.D, cols, keys_by_rows.data(), p.D);
-            for (int64_t c = 0; c < cols; ++c) {
-              write_scaled(keys_by_rows.data() + c * p.D, p.D, p.scale, grads.k.rows(b, kv_head, j0 + c));
-            }
+            write_scaled_rows(keys_by_rows.data(), p.D, cols, p.D, nullptr, p.scale, grads.k.rows(b, kv_head, j0),
+                              grads.k.stride_row);
             transpose(grad_v_block.data(), transposed_stride, p.Dv, cols, keys_by_rows.data(), p.Dv);
-            for (int64_t c = 0; c < cols; ++c) {
-              write_scaled(keys_by_rows.data() + c * p.Dv, p.Dv, acc_t(1), grads.v.rows(b, kv_head, j0 + c));
-            }
+            write_scaled_rows(keys_by_rows.data(), p.Dv, cols, p.Dv, nullptr, acc_t(1), grads.v.rows(b, kv_head, j0),
+                              grads.v.stride_row);
             continue;
           }
         }
-        for (int64_t c = 0; c < cols; ++c) {
-          write_scaled(grad_k_block.data() + c * p.D, p.D, p.scale, grads.k.rows(b, kv_head, j0 + c));
-          write_scaled(grad_v_block.data() + c * p.Dv, p.Dv, acc_t(1), grads.v.rows(b, kv_head, j0 + c));
-        }
+        write_scaled_rows(grad_k_block.data(), p.D, cols, p.D, nullptr, p.scale, grads.k.rows(b, kv_head, j0),
+                          grads.k.stride_row);
+        write_scaled_rows(grad_v_block.data(), p.Dv, cols, p.Dv, nullptr, acc_t(1), grads.v.rows(b, kv_head, j0),
+                          grads.v.stride_row);
       }
       if (split.parts() > 1) continue;  // dQ once every part is done
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kv_head * G + g;
-        for (int64_t i = 0; i < p.N; ++i) {
-          write_scaled(grad_q_rows + (g * p.N + i) * p.D, p.D, p.scale, grads.q.rows(b, h, i));
-        }
+        write_scaled_rows(grad_q_rows + g * p.N * p.D, p.D, p.N, p.D, nullptr, p.scale, grads.q.rows(b, h, 0),
+                          grads.q.stride_row);
       }
     }
   });

@@ -76,7 +76,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
     constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
     // On cache lines (aligned_buffer.h): the blocks' tiles and vectors start on one.
     AlignedVector<acc_t> scores(kRowsPerBlock * kScoresStride), accumulator;
-    std::vector<acc_t> row_max(kRowsPerBlock), row_sum(kRowsPerBlock);
+    std::vector<acc_t> row_max(kRowsPerBlock), row_sum(kRowsPerBlock), inverse_sum(kRowsPerBlock);
     std::vector<uint8_t> keep(kKeysPerBlock);
     accumulator.resize(static_cast<size_t>(kRowsPerBlock * p.Dv));
     // Where the block products multiply bfloat16, the weights of step 4 go straight from the
@@ -191,15 +191,15 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         values->multiply_into(Strided<acc_t>{scores.data(), kScoresStride, 1}, rows, acc_t(1), acc_t(1),
                               accumulator.data(), p.Dv, Leading{cols, -1});
       }
+      // The rows' outputs (accumulator / row_sum; 0 for a row that attends to nothing) and L.
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = i0 + r;
-        scalar_t* out_row = out.rows(b, h, i);
         const bool dead = row_sum[r] == acc_t(0);
-        const acc_t inverse = dead ? acc_t(0) : acc_t(1) / row_sum[r];
-        write_scaled(accumulator.data() + r * p.Dv, p.Dv, inverse, out_row);
-        lse[(b * p.H + h) * p.N + i] =
+        inverse_sum[r] = dead ? acc_t(0) : acc_t(1) / row_sum[r];
+        lse[(b * p.H + h) * p.N + i0 + r] =
             dead ? std::numeric_limits<acc_t>::infinity() : row_max[r] + std::log(row_sum[r]);
       }
+      write_scaled_rows(accumulator.data(), p.Dv, rows, p.Dv, inverse_sum.data(), acc_t(1), out.rows(b, h, i0),
+                        out.stride_row);
     }
   });
 }

@@ -768,6 +768,99 @@ void scale_into(const float* x, int64_t n, float factor, uint16_t* out) {
 
 namespace {
 
+// The row loops of row_dots and scale_rows_into: one dispatch per block, the row functions above
+// inlined into a loop compiled for the same instructions.
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) void row_dots_avx512(const float* a, int64_t a_stride, const float* b,
+                                                        int64_t b_stride, int64_t rows, int64_t n, float* out) {
+  for (int64_t r = 0; r < rows; ++r) out[r] = dot_avx512(a + r * a_stride, b + r * b_stride, n);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void row_dots_bf16_avx512(const uint16_t* a, int64_t a_stride,
+                                                                              const uint16_t* b, int64_t b_stride,
+                                                                              int64_t rows, int64_t n, float* out) {
+  for (int64_t r = 0; r < rows; ++r) out[r] = dot_bf16_avx512(a + r * a_stride, b + r * b_stride, n);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void row_dots_avx2(const T* a, int64_t a_stride, const T* b, int64_t b_stride,
+                                                       int64_t rows, int64_t n, float* out) {
+  for (int64_t r = 0; r < rows; ++r) out[r] = dot_avx2(a + r * a_stride, b + r * b_stride, n);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_rows_into_bf16_avx512(
+    const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors, uint16_t* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) scale_into_bf16_avx512(x + r * x_stride, n, factors.of(r), out + r * out_stride);
+}
+
+__attribute__((target("avx2,fma"))) void scale_rows_into_bf16_avx2(const float* x, int64_t x_stride, int64_t rows,
+                                                                   int64_t n, RowFactors factors, uint16_t* out,
+                                                                   int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) scale_into_bf16_avx2(x + r * x_stride, n, factors.of(r), out + r * out_stride);
+}
+#endif
+
+template <typename T>
+void row_dots_portable(const T* a, int64_t a_stride, const T* b, int64_t b_stride, int64_t rows, int64_t n,
+                       float* out) {
+  for (int64_t r = 0; r < rows; ++r) out[r] = dot_portable(a + r * a_stride, b + r * b_stride, n);
+}
+
+void scale_rows_into_bf16_portable(const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors,
+                                   uint16_t* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) scale_into_bf16_portable(x + r * x_stride, n, factors.of(r), out + r * out_stride);
+}
+
+}  // namespace
+
+void row_dots(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t rows, int64_t n,
+              float* out) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &row_dots_avx512;
+    if (avx2_vectors()) return &row_dots_avx2<float>;
+#endif
+    return &row_dots_portable<float>;
+  }();
+  implementation(a, a_stride, b, b_stride, rows, n, out);
+}
+
+void row_dots(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_stride, int64_t rows, int64_t n,
+              float* out) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &row_dots_bf16_avx512;
+    if (avx2_vectors()) return &row_dots_avx2<uint16_t>;
+#endif
+    return &row_dots_portable<uint16_t>;
+  }();
+  implementation(a, a_stride, b, b_stride, rows, n, out);
+}
+
+QKV_VECTORISED void scale_rows_into(const float* __restrict x, int64_t x_stride, int64_t rows, int64_t n,
+                                    RowFactors factors, float* __restrict out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float factor = factors.of(r);
+    const float* __restrict row = x + r * x_stride;
+    float* __restrict out_row = out + r * out_stride;
+    for (int64_t i = 0; i < n; ++i) out_row[i] = row[i] * factor;
+  }
+}
+
+void scale_rows_into(const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors, uint16_t* out,
+                     int64_t out_stride) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &scale_rows_into_bf16_avx512;
+    if (avx2_vectors()) return &scale_rows_into_bf16_avx2;
+#endif
+    return &scale_rows_into_bf16_portable;
+  }();
+  implementation(x, x_stride, rows, n, factors, out, out_stride);
+}
+
+namespace {
+
 // lowbias32 (Chris Wellons' integer hash search): a bijection of 32-bit words with low bias.
 inline uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16;

@@ -110,6 +110,29 @@ void scale_into(const float* x, int64_t n, float factor, float* out);
 /// bit what converting each value to c10::BFloat16 gives.
 void scale_into(const float* x, int64_t n, float factor, uint16_t* out);
 
+/// The factors of scale_rows_into: one per row, or one for every row.
+struct RowFactors {
+  const float* each = nullptr;  // row r's factor is each[r]; null: `all` for every row
+  float all = 1.0f;
+  float of(int64_t row) const { return each != nullptr ? each[row] : all; }
+};
+
+/// scale_into for `rows` rows of n values, x's rows x_stride apart and out's out_stride apart, row
+/// r times factors.of(r): a block's accumulators written out (the output, dQ, dK, dV) in one call
+/// rather than one per row, whose dispatch cost as much as the arithmetic for rows of 32 values.
+void scale_rows_into(const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors, float* out,
+                     int64_t out_stride);
+/// The same rounded to bfloat16 (raw bits), each value as scale_into rounds it.
+void scale_rows_into(const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors, uint16_t* out,
+                     int64_t out_stride);
+
+/// out[r] <- dot(a + r · a_stride, b + r · b_stride, n) for r < rows, each summed exactly as dot()
+/// sums it: the backward's D = rowsum(dO ⊙ O) of a head in one call.
+void row_dots(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t rows, int64_t n,
+              float* out);
+void row_dots(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_stride, int64_t rows, int64_t n,
+              float* out);
+
 /// dot and scale_into for the kernel's element types: float32 and bfloat16 operands with float32
 /// accumulators by the functions above, float64 by plain loops.
 template <typename scalar_t, typename acc_t>
@@ -125,14 +148,35 @@ inline acc_t dot_of(const scalar_t* a, const scalar_t* b, int64_t n) {
   }
 }
 
+/// row_dots for the kernel's element types (float64: a plain loop per row).
 template <typename scalar_t, typename acc_t>
-inline void write_scaled(const acc_t* x, int64_t n, acc_t factor, scalar_t* out) {
-  if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, float>) {
-    scale_into(x, n, factor, out);
-  } else if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, c10::BFloat16>) {
-    scale_into(x, n, factor, reinterpret_cast<uint16_t*>(out));
+inline void dot_rows(const scalar_t* a, int64_t a_stride, const scalar_t* b, int64_t b_stride, int64_t rows, int64_t n,
+                     acc_t* out) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    row_dots(a, a_stride, b, b_stride, rows, n, out);
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    row_dots(reinterpret_cast<const uint16_t*>(a), a_stride, reinterpret_cast<const uint16_t*>(b), b_stride, rows, n,
+             out);
   } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<scalar_t>(x[i] * factor);
+    for (int64_t r = 0; r < rows; ++r) out[r] = dot_of<scalar_t, acc_t>(a + r * a_stride, b + r * b_stride, n);
+  }
+}
+
+/// scale_rows_into for the kernel's element types; `factors` one per row (null: `factor` for all;
+/// its type is not deduced, so that a literal nullptr can stand for it).
+template <typename scalar_t, typename acc_t>
+inline void write_scaled_rows(const acc_t* x, int64_t x_stride, int64_t rows, int64_t n,
+                              const std::common_type_t<acc_t>* factors, acc_t factor, scalar_t* out,
+                              int64_t out_stride) {
+  if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, float>) {
+    scale_rows_into(x, x_stride, rows, n, RowFactors{factors, factor}, out, out_stride);
+  } else if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, c10::BFloat16>) {
+    scale_rows_into(x, x_stride, rows, n, RowFactors{factors, factor}, reinterpret_cast<uint16_t*>(out), out_stride);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      const acc_t row_factor = factors != nullptr ? factors[r] : factor;
+      for (int64_t i = 0; i < n; ++i) out[r * out_stride + i] = static_cast<scalar_t>(x[r * x_stride + i] * row_factor);
+    }
   }
 }
 
