@@ -172,6 +172,21 @@ TEST(GradScaler, AStepWithAnInfGradientIsSkippedAndTheScaleHalves) {
   EXPECT_TRUE(qkv_test::tensors_close(unscaled, p.model->weight.grad(), 1e-6));
 }
 
+// Every gradient's verdict counts, not the first one's: a NaN in the last parameter's gradient
+// after finite ones also skips the step.
+TEST(GradScaler, ANanInTheLastGradientAlsoSkipsTheStep) {
+  Problem p;
+  qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(64.0));
+  const auto before = p.model->bias.detach().clone();
+  p.optimizer->zero_grad();
+  scaler.scale(p.loss()).backward();
+  p.model->bias.mutable_grad()[2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_FALSE(scaler.step(*p.optimizer));
+  scaler.update();
+  EXPECT_TRUE(torch::equal(p.model->bias, before));
+  EXPECT_EQ(scaler.get_scale(), 32.0);
+}
+
 // The same on CUDA, under float16 autocast as fp16-mixed trains: an overflow in the second
 // parameter's gradient (after a finite first one) skips the step and halves the scale; the next
 // step's unscaled gradients are the true ones.
