@@ -26,7 +26,6 @@ class RunPrecision {
 
   /// The loss scaler: enabled for fp16-mixed, a pass-through otherwise.
   qkv::GradScaler& scaler() { return scaler_; }
-  const qkv::GradScaler& scaler() const { return scaler_; }
 
   /// fp32, bf16-mixed or fp16-mixed, as summaries and metrics name it.
   const std::string& name() const { return name_; }

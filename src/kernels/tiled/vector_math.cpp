@@ -729,43 +729,6 @@ void scale_into_bf16_portable(const float* x, int64_t n, float factor, uint16_t*
 
 }  // namespace
 
-float dot(const float* a, const float* b, int64_t n) {
-  static const auto implementation = [] {
-#if defined(__x86_64__)
-    if (wide_vectors()) return &dot_avx512;
-    if (avx2_vectors()) return &dot_avx2<float>;
-#endif
-    return &dot_portable<float>;
-  }();
-  return implementation(a, b, n);
-}
-
-float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
-  static const auto implementation = [] {
-#if defined(__x86_64__)
-    if (wide_vectors()) return &dot_bf16_avx512;
-    if (avx2_vectors()) return &dot_avx2<uint16_t>;
-#endif
-    return &dot_portable<uint16_t>;
-  }();
-  return implementation(a, b, n);
-}
-
-QKV_VECTORISED void scale_into(const float* __restrict x, int64_t n, float factor, float* __restrict out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * factor;
-}
-
-void scale_into(const float* x, int64_t n, float factor, uint16_t* out) {
-  static const auto implementation = [] {
-#if defined(__x86_64__)
-    if (wide_vectors()) return &scale_into_bf16_avx512;
-    if (avx2_vectors()) return &scale_into_bf16_avx2;
-#endif
-    return &scale_into_bf16_portable;
-  }();
-  implementation(x, n, factor, out);
-}
-
 namespace {
 
 // The row loops of row_dots and scale_rows_into: one dispatch per block, the row functions above
@@ -857,6 +820,27 @@ void scale_rows_into(const float* x, int64_t x_stride, int64_t rows, int64_t n, 
     return &scale_rows_into_bf16_portable;
   }();
   implementation(x, x_stride, rows, n, factors, out, out_stride);
+}
+
+// The one-row forms: the block versions over a single row (one dispatch mechanism for both).
+float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.0f;
+  row_dots(a, 0, b, 0, 1, n, &sum);
+  return sum;
+}
+
+float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
+  float sum = 0.0f;
+  row_dots(a, 0, b, 0, 1, n, &sum);
+  return sum;
+}
+
+void scale_into(const float* x, int64_t n, float factor, float* out) {
+  scale_rows_into(x, 0, 1, n, RowFactors{nullptr, factor}, out, 0);
+}
+
+void scale_into(const float* x, int64_t n, float factor, uint16_t* out) {
+  scale_rows_into(x, 0, 1, n, RowFactors{nullptr, factor}, out, 0);
 }
 
 namespace {

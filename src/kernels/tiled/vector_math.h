@@ -133,22 +133,8 @@ void row_dots(const float* a, int64_t a_stride, const float* b, int64_t b_stride
 void row_dots(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_stride, int64_t rows, int64_t n,
               float* out);
 
-/// dot and scale_into for the kernel's element types: float32 and bfloat16 operands with float32
-/// accumulators by the functions above, float64 by plain loops.
-template <typename scalar_t, typename acc_t>
-inline acc_t dot_of(const scalar_t* a, const scalar_t* b, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return dot(a, b, n);
-  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    return dot(reinterpret_cast<const uint16_t*>(a), reinterpret_cast<const uint16_t*>(b), n);
-  } else {
-    acc_t sum = 0;
-    for (int64_t i = 0; i < n; ++i) sum += static_cast<acc_t>(a[i]) * static_cast<acc_t>(b[i]);
-    return sum;
-  }
-}
-
-/// row_dots for the kernel's element types (float64: a plain loop per row).
+/// row_dots and scale_rows_into for the kernel's element types: float32 and bfloat16 operands with
+/// float32 accumulators by the functions above, float64 by plain loops.
 template <typename scalar_t, typename acc_t>
 inline void dot_rows(const scalar_t* a, int64_t a_stride, const scalar_t* b, int64_t b_stride, int64_t rows, int64_t n,
                      acc_t* out) {
@@ -158,12 +144,16 @@ inline void dot_rows(const scalar_t* a, int64_t a_stride, const scalar_t* b, int
     row_dots(reinterpret_cast<const uint16_t*>(a), a_stride, reinterpret_cast<const uint16_t*>(b), b_stride, rows, n,
              out);
   } else {
-    for (int64_t r = 0; r < rows; ++r) out[r] = dot_of<scalar_t, acc_t>(a + r * a_stride, b + r * b_stride, n);
+    for (int64_t r = 0; r < rows; ++r) {
+      acc_t sum = 0;
+      for (int64_t i = 0; i < n; ++i) sum += static_cast<acc_t>(a[r * a_stride + i]) * static_cast<acc_t>(b[r * b_stride + i]);
+      out[r] = sum;
+    }
   }
 }
 
-/// scale_rows_into for the kernel's element types; `factors` one per row (null: `factor` for all;
-/// its type is not deduced, so that a literal nullptr can stand for it).
+/// `factors` one per row (null: `factor` for all; its type is not deduced, so that a literal nullptr
+/// can stand for it).
 template <typename scalar_t, typename acc_t>
 inline void write_scaled_rows(const acc_t* x, int64_t x_stride, int64_t rows, int64_t n,
                               const std::common_type_t<acc_t>* factors, acc_t factor, scalar_t* out,
