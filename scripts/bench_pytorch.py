@@ -233,7 +233,7 @@ def make_iteration(case, impl, device):
         with torch.autocast(device_type=device, dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None):
             output = model(x)
-        loss = F.mse_loss(output.float(), target)
+        loss = F.mse_loss(output.float(), target.float())  # a bfloat16 model's loss in float32 too
         loss.backward()
         optimizer.step()
 

@@ -6,6 +6,12 @@
 #   device run, carry [".device"], timeout_s 500, command:
 #     export QKV_GPU_DEADLINE=$(( $(date +%s) + 470 )); export CTEST_ARGS='-j8 -R CUDA|Cuda|InvalidUse\.DeviceMismatch|^Numerics\.|^Tiled|^PackedProducts|^RowOperations|^BackendsAgree'; bash .device/run.sh bash scripts/gpu_check.sh
 # (a build that fails ends the call there, cheaply, leaving device time for a second call).
+# What the first call that ran (2026-12-04) took: the machine's start about 30 s, configure and
+# build 128 s, the tests CTEST_ARGS picks 119 s (j8), phase 2 two minutes; phase 3 and later did
+# not fit. A warm machine (idle_release_s 30 s) keeps /tmp/build-cuda and /opt/deps between calls,
+# so a follow-up call made at once can skip run.sh and the build:
+#   export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu; env QKV_BUILD_DIR=/tmp/build-cuda \
+#     QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 scripts/bench.sh ...
 # Phases, most telling first, each cut off so that the whole call ends by QKV_GPU_DEADLINE (epoch
 # seconds; default 7 minutes from now) and its logs come back:
 #   1. the machine: GPU, CPU model and flags (amx_bf16?), torch;
@@ -87,7 +93,12 @@ echo "-- seed example on CUDA"
 capped 30 "$train" --task seed --device cuda 2>&1 | tail -4
 echo "-- 2 Gloo ranks sharing the GPU against one process on the whole batch"
 capped 60 "$train" --task reverse --device cuda --nproc 2 --dist-backend gloo --steps 200 --save-replicas --quiet \
-  --out "$logs/ddp-gloo-cuda" > "$logs/ddp-gloo-cuda.log" 2>&1 || { status=1; tail -5 "$logs/ddp-gloo-cuda.log"; }
+  --out "$logs/ddp-gloo-cuda" > "$logs/ddp-gloo-cuda.log" 2>&1
+if grep -q 'has no gloo process group' "$logs/ddp-gloo-cuda.log"; then
+  # pip's torch wheels ship no gloo headers, so qkv-train was built without its Gloo group
+  # (2026-12-04); the refusal is the expected outcome there.
+  echo "  skipped: this build has no Gloo group (no gloo headers in this LibTorch); refusal: $(grep -m1 error: "$logs/ddp-gloo-cuda.log")"
+else
 capped 60 "$train" --task reverse --device cuda --steps 200 --quiet --out "$logs/single-cuda" > "$logs/single-cuda.log" 2>&1 || status=1
 python3 - "$logs" << 'PY' || status=1
 import sys, torch
@@ -101,6 +112,7 @@ print("  replicas max |diff|:", max((a[k].float() - b[k].float()).abs().max().it
 print("  2 ranks vs 1 process max |diff|:", max((a[k].float() - c[k].float()).abs().max().item() for k in a))
 sys.exit(0 if all(torch.equal(a[k], b[k]) for k in a) else 1)
 PY
+fi
 echo "-- NCCL with one GPU (a clear refusal expected)"
 capped 30 "$train" --task reverse --device cuda --nproc 2 --dist-backend nccl --steps 20 --quiet 2>&1 | tail -3
 

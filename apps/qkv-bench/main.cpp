@@ -192,7 +192,7 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
       const qkv::AutocastGuard autocast(device, autocast_dtype, mixed);
       output = model->forward(x);
     }
-    auto loss = torch::mse_loss(output.to(torch::kFloat), target);
+    auto loss = torch::mse_loss(output.to(torch::kFloat), target.to(torch::kFloat));  // a bfloat16 model's too
     loss.backward();
     optimizer->step();
   };
