@@ -129,6 +129,7 @@ else
 fi
 
 phase "4. scripts/bench.sh --device cuda"
+capped 60 "$build/apps/qkv-bench" --device cuda --smoke > "$logs/bench-smoke-cuda.txt" 2>&1 || { status=1; grep -E 'FAILED|failed' "$logs/bench-smoke-cuda.txt"; }
 capped 90 env QKV_BUILD_DIR="$build" QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 scripts/bench.sh --device cuda --rounds 1 \
   --pytorch host --out "$logs/bench-cuda.json" 2>&1 | tee "$logs/bench-cuda.txt" | tail -30 || status=1
 phase "5. the whole ctest suite"

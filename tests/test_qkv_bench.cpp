@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <set>
 #include <sstream>
 
 namespace {
@@ -45,6 +46,35 @@ TEST(BenchApp, ListsTheCasesOfTheSharedCaseFileAndRefusesBadFlags) {
   auto bad = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --device tpu", true);
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_THAT(bad.output, HasSubstr("--device"));
+}
+
+// --smoke: every case of cases.json, whatever its device, shrunk and run once on the CPU. The GPU
+// machine's first run found a CUDA case (long_train_step: a bfloat16 model's float32 loss against a
+// bfloat16 target) failing only there; this runs its code here. Each case is named as ran, or
+// skipped where this build cannot run it by design (the fused backend before LibTorch 2.0).
+TEST(BenchApp, SmokeRunsEveryCaseOfEveryDeviceShrunkOnTheCpu) {
+  std::ifstream file(std::string(QKV_SOURCE_DIR) + "/apps/qkv-bench/cases.json");
+  const auto cases = nlohmann::json::parse(file)["cases"];
+  auto run = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --threads 1 --smoke");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  std::set<std::string> lines;
+  std::istringstream stream(run.output);
+  for (std::string line; std::getline(stream, line);) lines.insert(line);
+  int ran = 0, cuda_cases_ran = 0, skipped = 0;
+  for (const auto& entry : cases) {
+    const auto name = entry["name"].get<std::string>();
+    if (lines.count("ran " + name)) {
+      ++ran;
+      if (entry["device"] == "cuda") ++cuda_cases_ran;
+      continue;
+    }
+    // Only the fused backend may be skipped, and only on a LibTorch without it.
+    EXPECT_EQ(entry.value("impl", ""), "fused") << name << " did not run:\n" << run.output;
+    EXPECT_THAT(run.output, HasSubstr("skipped " + name + ": the fused backend needs LibTorch >= 2.0"));
+    ++skipped;
+  }
+  EXPECT_GT(cuda_cases_ran, 0) << run.output;  // long_train_step runs on every build
+  EXPECT_THAT(run.output, HasSubstr(std::to_string(ran) + " ran, " + std::to_string(skipped) + " skipped, 0 failed"));
 }
 
 // OpenBLAS's own generic kernels forced (OPENBLAS_CORETYPE=PRESCOTT, what it falls back to for a

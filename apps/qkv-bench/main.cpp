@@ -2,7 +2,7 @@
 // scripts/bench_pytorch.py times the same cases in PyTorch; scripts/bench.sh runs both and
 // prints them side by side.
 //
-//   qkv-bench [--device cpu|cuda] [--threads N] [--list] [Google Benchmark flags]
+//   qkv-bench [--device cpu|cuda] [--threads N] [--list] [--smoke] [Google Benchmark flags]
 //   e.g. qkv-bench --benchmark_filter='^toy_train_step$' --benchmark_format=json
 //
 // Each case reports per-iteration time, FLOP/s (counted as FlashAttention's papers do, see
@@ -26,6 +26,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -198,6 +199,49 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
   };
 }
 
+// The case at a size that runs in milliseconds, its structure kept (kind, dtype, heads and
+// grouped heads, causal, window, dropout, autocast): what --smoke runs. The same shrinking as
+// tests/scripts/bench_cases_test.py's for the PyTorch side.
+Case shrunk(Case c) {
+  c.batch = std::min<int64_t>(c.batch, 2);
+  c.seq_len = std::min<int64_t>(c.seq_len, 16);
+  if (c.d_model > 0) c.d_model = 8 * c.heads;
+  c.head_dim = 8;
+  if (c.window > 0) c.window = 4;
+  c.warmup = 0;
+  return c;
+}
+
+// --smoke: every case of every device, shrunk, one iteration on `device`. A case this build
+// cannot run by design (the fused backend before LibTorch 2.0) is named as skipped; any other
+// error fails. Returns the exit status: 0 when every case ran, 1 otherwise.
+int run_smoke(const nlohmann::json& cases, const torch::Device& device) {
+  int ran = 0, skipped = 0;
+  std::vector<std::string> failed;
+  for (const auto& entry : cases) {
+    const auto c = shrunk(parse_case(entry));
+    if (c.impl == "fused" && !qkv::fused_backend_available()) {
+      std::printf("skipped %s: the fused backend needs LibTorch >= 2.0 (this is %s)\n", c.name.c_str(), TORCH_VERSION);
+      ++skipped;
+      continue;
+    }
+    try {
+      make_iteration(c, device)();
+      if (device.is_cuda()) torch::cuda::synchronize();
+      std::printf("ran %s\n", c.name.c_str());
+      ++ran;
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      what = what.substr(0, what.find('\n'));  // LibTorch appends its stack trace after the first line
+      std::printf("FAILED %s: %s\n", c.name.c_str(), what.c_str());
+      failed.push_back(c.name);
+    }
+  }
+  std::printf("qkv-bench --smoke on %s: %d ran, %d skipped, %zu failed\n", device.str().c_str(), ran, skipped,
+              failed.size());
+  return failed.empty() ? 0 : 1;
+}
+
 double peak_resident_bytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
@@ -253,11 +297,14 @@ int main(int argc, char** argv) {
   app.option_defaults()->always_capture_default();
   std::string device_name = "cpu";
   int threads = 0;
-  bool list = false, list_all = false, blas_advice = false;
+  bool list = false, list_all = false, blas_advice = false, smoke = false;
   app.add_option("--device", device_name, "Run the cases of this device")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--threads", threads, "CPU threads for LibTorch (0 = its default)")->check(CLI::Range(0, 1024));
   app.add_flag("--list", list, "Print the cases of --device, one per line, and exit");
   app.add_flag("--all", list_all, "With --list: the optional cases too (long memory probes)");
+  app.add_flag("--smoke", smoke,
+               "Run every case of every device once, shrunk to a few tokens, on --device, and exit: "
+               "a check that each case's code runs (0: all ran; 1: names those that failed)");
   app.add_flag("--blas-advice", blas_advice,
                "Print what OpenBLAS's choice of kernels for this CPU needs (an OPENBLAS_CORETYPE, or nothing) and exit");
   if (const auto exit_code = qkv_cli::parse(app, argc, argv)) return *exit_code;
@@ -273,7 +320,15 @@ int main(int argc, char** argv) {
   if (threads > 0) torch::set_num_threads(threads);
   const torch::Device device = device_name == "cuda" ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
 
+  // The kernels' and linear layers' routes as the environment set them: a value qkv refuses ends
+  // a run before any case.
+  const auto routes_are_valid = [] {
+    const auto problem = qkv_cli::route_setting_problem();
+    if (!problem.empty()) std::fprintf(stderr, "qkv-bench: %s\n", problem.c_str());
+    return problem.empty();
+  };
   const auto all = nlohmann::json::parse(qkv_bench::kCasesJson)["cases"];
+  if (smoke) return routes_are_valid() ? run_smoke(all, device) : 2;
   for (const auto& entry : all) {
     const auto c = parse_case(entry);
     if (c.device != device_name) continue;
@@ -292,12 +347,7 @@ int main(int argc, char** argv) {
     }
   }
   if (list) return 0;
-  // The kernels' and linear layers' routes as the environment set them: a value qkv refuses ends
-  // the run here, before any case.
-  if (const auto problem = qkv_cli::route_setting_problem(); !problem.empty()) {
-    std::fprintf(stderr, "qkv-bench: %s\n", problem.c_str());
-    return 2;
-  }
+  if (!routes_are_valid()) return 2;
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
   benchmark::AddCustomContext("torch_threads", std::to_string(torch::get_num_threads()));
   benchmark::AddCustomContext("device", device.str());
