@@ -12,16 +12,17 @@
 # so a follow-up call made at once can skip run.sh and the build:
 #   export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu; env QKV_BUILD_DIR=/tmp/build-cuda \
 #     QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 scripts/bench.sh ...
-# Phases, most telling first, each cut off so that the whole call ends by QKV_GPU_DEADLINE (epoch
-# seconds; default 7 minutes from now) and its logs come back:
+# Phases, least measured first (qkv-train on CUDA, which ran on 2026-12-04, went last), each cut off
+# so that the whole call ends by QKV_GPU_DEADLINE (epoch seconds; default 7 minutes from now) and
+# its logs come back:
 #   1. the machine: GPU, CPU model and flags (amx_bf16?), torch;
-#   2. qkv-train on CUDA: reverse and lookup in fp32, bf16-mixed and fp16-mixed (their figures to
-#      set against the CPU's); the language model (short run) in the three precisions; the seed example;
-#      two Gloo ranks sharing the GPU against one process;
-#   3. issue 21 on this machine's CPU (when it has AMX): the bfloat16 core and module step against
+#   2. issue 21 on this machine's CPU (when it has AMX): the bfloat16 core and module step against
 #      qkv's float32 and PyTorch's CPU attention, 2 threads, and the language model's tokens/s;
-#   4. scripts/bench.sh --device cuda against PyTorch on the same GPU;
-#   5. the whole ctest suite (python3 with torch stands in for Debian's /usr/bin/python3).
+#   3. qkv-bench --smoke on CUDA, then scripts/bench.sh --device cuda against PyTorch on the same GPU;
+#   4. the whole ctest suite (python3 with torch stands in for Debian's /usr/bin/python3);
+#   5. qkv-train on CUDA: reverse and lookup in fp32, bf16-mixed and fp16-mixed (their figures to
+#      set against the CPU's); the language model (short run) in the three precisions; the seed example;
+#      two Gloo ranks sharing the GPU against one process (where the build has Gloo).
 # Everything goes to $OUT/gpu-check.tar.gz (logs, JSON, summaries); figures are printed as they come.
 set -uo pipefail
 build=${BUILD:?run through .device/run.sh, which sets BUILD}
@@ -74,7 +75,28 @@ if ! /usr/bin/python3 -c 'import torch' 2> /dev/null; then
   /usr/bin/python3 -c 'import torch; print("/usr/bin/python3 now runs torch", torch.__version__)'
 fi
 
-phase "2. qkv-train on CUDA"
+phase "2. issue 21 on this CPU"
+if grep -q -w amx_bf16 /proc/cpuinfo; then
+  capped 150 env QKV_BUILD_DIR="$build" QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 scripts/bench.sh --threads 2 --rounds 1 \
+    --pytorch host --out "$logs/bench-cpu-amx.json" \
+    --cases '^(flash|bf16)_n(512_bh64|2048_bh2)_forward_backward$|^medium_train_step|^bf16_n4096_forward$|^bf16_gemm_4096$' \
+    2>&1 | tee "$logs/bench-cpu-amx.txt" | tail -40 || status=1
+  capped 80 env QKV_BUILD_DIR="$build" QKV_SKIP_BUILD=1 scripts/bench_lm.sh --rounds 2 --threads 2 --precision fp32 \
+    --precision bf16-mixed --pytorch none --no-generation --data "$text" 2>&1 | tee "$logs/bench-lm-amx.txt" | tail -12
+else
+  echo "no amx_bf16 on this CPU: issue 21's AMX goals not measured here"
+fi
+
+phase "3. scripts/bench.sh --device cuda"
+capped 60 "$build/apps/qkv-bench" --device cuda --smoke > "$logs/bench-smoke-cuda.txt" 2>&1 || { status=1; grep -E 'FAILED|failed' "$logs/bench-smoke-cuda.txt"; }
+capped 90 env QKV_BUILD_DIR="$build" QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 scripts/bench.sh --device cuda --rounds 1 \
+  --pytorch host --out "$logs/bench-cuda.json" 2>&1 | tee "$logs/bench-cuda.txt" | tail -30 || status=1
+phase "4. the whole ctest suite"
+capped 170 ctest --test-dir "$build" -j 12 --timeout 160 --output-on-failure > "$logs/ctest-all.log" 2>&1
+echo "passed $(grep -c ' Passed ' "$logs/ctest-all.log"), skipped $(grep -c 'Skipped ' "$logs/ctest-all.log")"
+grep -E "tests passed|tests failed|\*\*\*Failed|\*\*\*Timeout|Not Run|Exception|Failed " "$logs/ctest-all.log" | head -40
+
+phase "5. qkv-train on CUDA"
 # (the CPU's figures for the same runs: tests/test_qkv_train.cpp's runs, or qkv-train --device cpu here)
 for task in reverse lookup; do
   for precision in fp32 bf16-mixed fp16-mixed; do
@@ -115,27 +137,6 @@ PY
 fi
 echo "-- NCCL with one GPU (a clear refusal expected)"
 capped 30 "$train" --task reverse --device cuda --nproc 2 --dist-backend nccl --steps 20 --quiet 2>&1 | tail -3
-
-phase "3. issue 21 on this CPU"
-if grep -q -w amx_bf16 /proc/cpuinfo; then
-  capped 120 env QKV_BUILD_DIR="$build" QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 scripts/bench.sh --threads 2 --rounds 2 \
-    --pytorch host --out "$logs/bench-cpu-amx.json" \
-    --cases '^(flash|bf16)_n(512_bh64|2048_bh2)_forward_backward$|^medium_train_step|^bf16_n4096_forward$|^bf16_gemm_4096$' \
-    2>&1 | tee "$logs/bench-cpu-amx.txt" | tail -40 || status=1
-  capped 80 env QKV_BUILD_DIR="$build" QKV_SKIP_BUILD=1 scripts/bench_lm.sh --rounds 2 --threads 2 --precision fp32 \
-    --precision bf16-mixed --pytorch none --no-generation --data "$text" 2>&1 | tee "$logs/bench-lm-amx.txt" | tail -12
-else
-  echo "no amx_bf16 on this CPU: issue 21's AMX goals not measured here"
-fi
-
-phase "4. scripts/bench.sh --device cuda"
-capped 60 "$build/apps/qkv-bench" --device cuda --smoke > "$logs/bench-smoke-cuda.txt" 2>&1 || { status=1; grep -E 'FAILED|failed' "$logs/bench-smoke-cuda.txt"; }
-capped 90 env QKV_BUILD_DIR="$build" QKV_SKIP_BUILD=1 QKV_TORCH_PYTHON=python3 scripts/bench.sh --device cuda --rounds 1 \
-  --pytorch host --out "$logs/bench-cuda.json" 2>&1 | tee "$logs/bench-cuda.txt" | tail -30 || status=1
-phase "5. the whole ctest suite"
-capped 170 ctest --test-dir "$build" -j 12 --timeout 160 --output-on-failure > "$logs/ctest-all.log" 2>&1
-echo "passed $(grep -c ' Passed ' "$logs/ctest-all.log"), skipped $(grep -c 'Skipped ' "$logs/ctest-all.log")"
-grep -E "tests passed|tests failed|\*\*\*Failed|\*\*\*Timeout|Not Run|Exception|Failed " "$logs/ctest-all.log" | head -40
 
 phase "done, status $status"
 exit $status
