@@ -58,7 +58,7 @@ except Exception as e:
 o = s.get("options", {})
 print(f"  {o.get('task')} {s.get('device')} {s.get('precision')}: eval {json.dumps(s.get('eval'))} "
       f"final_loss {s.get('final_loss'):.5f} loss_scale {s.get('loss_scale')} "
-      f"tokens/s {s.get('tokens_per_s', '-')} elapsed {s.get('elapsed_s', '-')}")
+      f"tokens/s {s.get('tokens_per_s', '-')} wall {s.get('wall_time_s', '-')} s")
 PY
 }
 
