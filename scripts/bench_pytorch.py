@@ -15,6 +15,7 @@ On CUDA each iteration is synchronized, so device work is counted.
 
   /usr/bin/python3 scripts/bench_pytorch.py --device cpu --threads 2 --case toy_train_step
   prints one JSON object: {"case": ..., "results": [{"impl", "times_s", "median_s", "flops_per_s", "peak_memory_bytes"}]}
+  /usr/bin/python3 scripts/bench_pytorch.py --smoke [--device cuda]   every case, shrunk, run once
 """
 import argparse
 import json
@@ -273,11 +274,56 @@ def time_case(case, impl, device, min_time, repetitions):
             "flops_per_s": flop_count(case) / median, "peak_memory_bytes": peak}
 
 
+def implementations(case, requested=None):
+    """The PyTorch implementations of `case` this torch has: those requested, else the case's
+    pytorch_impls, else every one."""
+    available = ["documents", "sdpa"] if HAS_SDPA else ["documents"]
+    if case["kind"] == "sgemm":
+        available = ["documents"]  # one product: the implementation is torch.mm either way
+    return [i for i in (requested or case.get("pytorch_impls", available)) if i in available]
+
+
+def shrunk(case):
+    """The case at a size that runs in milliseconds, its structure kept (kind, dtype, heads and
+    grouped heads, causal, window, dropout, autocast): what --smoke runs. The same shrinking as
+    qkv-bench --smoke's."""
+    small = dict(case, batch=min(case["batch"], 2), seq_len=min(case["seq_len"], 16))
+    if "head_dim" in case:
+        small["head_dim"] = 8
+    if "d_model" in case:
+        small["d_model"] = 8 * case.get("heads", 1)
+    if case.get("window"):
+        small["window"] = 4
+    return small
+
+
+def smoke(cases, device):
+    """--smoke: every case of every device, shrunk, one iteration of each implementation on
+    `device`; prints what ran and what failed; returns the exit status (1 if any failed)."""
+    ran, failed = 0, []
+    for case in cases:
+        for impl in implementations(case):
+            try:
+                make_iteration(shrunk(case), impl, device)()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                print(f"ran {case['name']} ({impl})")
+                ran += 1
+            except Exception as error:  # noqa: BLE001 (every failure is named, then the exit status says so)
+                print(f"FAILED {case['name']} ({impl}): {type(error).__name__}: {error}")
+                failed.append(case["name"])
+    print(f"bench_pytorch.py --smoke on {device}, torch {torch.__version__}: {ran} ran, {len(failed)} failed")
+    return 1 if failed or ran == 0 else 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    parser.add_argument("--case", required=True, help="a case name from apps/qkv-bench/cases.json")
+    parser.add_argument("--case", help="a case name from apps/qkv-bench/cases.json")
+    parser.add_argument("--smoke", action="store_true",
+                        help="run every case of every device once, shrunk to a few tokens, on --device, and exit "
+                             "(0: all ran; 1: names those that failed)")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds per repetition")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--impl", choices=["documents", "sdpa"], action="append",
@@ -287,16 +333,17 @@ def main():
         torch.set_num_threads(args.threads)
     with open(CASES) as file:
         cases = {c["name"]: c for c in json.load(file)["cases"]}
+    if args.smoke:
+        sys.exit(smoke(cases.values(), args.device))
+    if args.case is None:
+        parser.error("--case or --smoke is required")
     if args.case not in cases:
         sys.exit(f"bench_pytorch.py: no case {args.case!r}; cases: {', '.join(cases)}")
     case = cases[args.case]
     if case["device"] != args.device:
         sys.exit(f"bench_pytorch.py: case {args.case} is a {case['device']} case, not {args.device}")
     device = "cuda" if args.device == "cuda" else "cpu"
-    available = ["documents", "sdpa"] if HAS_SDPA else ["documents"]
-    if case["kind"] == "sgemm":
-        available = ["documents"]  # one product: the implementation is torch.mm either way
-    impls = [i for i in (args.impl or case.get("pytorch_impls", available)) if i in available]
+    impls = implementations(case, args.impl)
     if not impls:  # exit status 3: this torch cannot run the case (scripts/bench.sh leaves the side out)
         print(f"bench_pytorch.py: torch {torch.__version__} has none of {case.get('pytorch_impls')} for {args.case}",
               file=sys.stderr)

@@ -43,10 +43,11 @@ bool autocast_casts_to(torch::DeviceType type, torch::ScalarType dtype) {
 }
 
 // Whether LibTorch's fused unscale-and-check (at::_amp_foreach_non_finite_check_and_unscale_,
-// what torch.amp.GradScaler calls) takes these gradients: dense ones on CUDA, or on the CPU from
-// LibTorch 2.6 (whose CPU kernel the suite runs on Debian 13 and unstable; 1.13 has none).
+// what torch.amp.GradScaler calls) takes these gradients (non-empty, one device and dtype): dense
+// ones on CUDA, or on the CPU from LibTorch 2.6 (whose CPU kernel the suite runs on Debian 13 and
+// unstable; 1.13 has none).
 bool fused_unscale_takes(const std::vector<torch::Tensor>& grads) {
-  if (grads.empty() || std::any_of(grads.begin(), grads.end(), [](const torch::Tensor& g) { return g.is_sparse(); })) {
+  if (std::any_of(grads.begin(), grads.end(), [](const torch::Tensor& g) { return g.is_sparse(); })) {
     return false;
   }
   const auto device = grads.front().device();
@@ -113,46 +114,42 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   // The gradients by device and dtype, as torch.amp.GradScaler groups them for LibTorch's fused
   // unscale-and-check, one call per group; then one read of the verdicts per device (a read per
   // gradient would wait for a CUDA device once per parameter).
-  struct Group {
-    torch::Device device;
-    torch::ScalarType dtype;
-    std::vector<torch::Tensor> grads;
-  };
-  std::vector<Group> groups;
+  std::vector<std::vector<torch::Tensor>> groups;  // each non-empty, one device and dtype
   for (auto& group : optimizer.param_groups()) {
     for (auto& parameter : group.params()) {
       const auto& grad = parameter.grad();
       if (!grad.defined()) continue;
-      auto same = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
-        return g.device == grad.device() && g.dtype == grad.scalar_type();
+      auto same = std::find_if(groups.begin(), groups.end(), [&](const std::vector<torch::Tensor>& g) {
+        return g.front().device() == grad.device() && g.front().scalar_type() == grad.scalar_type();
       });
-      if (same == groups.end()) same = groups.insert(groups.end(), Group{grad.device(), grad.scalar_type(), {}});
-      same->grads.push_back(grad);
+      if (same == groups.end()) same = groups.insert(groups.end(), std::vector<torch::Tensor>{});
+      same->push_back(grad);
     }
   }
   // inv_scale in float32, as torch.amp's (1/scale is a power of two while the scale is one).
   const float inverse = static_cast<float>(1.0 / scale_);
   std::vector<std::pair<torch::Device, std::vector<torch::Tensor>>> non_finite_by_device;
-  for (auto& group : groups) {
+  for (auto& grads : groups) {
+    const auto device = grads.front().device();
     torch::Tensor non_finite;  // (1,) bool
-    if (fused_unscale_takes(group.grads)) {
-      const auto float_options = torch::TensorOptions().device(group.device).dtype(torch::kFloat);
+    if (fused_unscale_takes(grads)) {
+      const auto float_options = torch::TensorOptions().device(device).dtype(torch::kFloat);
       auto found_inf = torch::zeros({1}, float_options);
-      at::_amp_foreach_non_finite_check_and_unscale_(group.grads, found_inf, torch::full({1}, inverse, float_options));
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch::full({1}, inverse, float_options));
       non_finite = found_inf.gt(0);
     } else {
       // The same arithmetic op by op: LibTorch 1.13 has the fused operation for CUDA only.
       std::vector<torch::Tensor> finite;
-      for (auto& grad : group.grads) {
+      for (auto& grad : grads) {
         finite.push_back((grad.is_sparse() ? grad.coalesce().values() : grad).isfinite().all());
         grad.mul_(inverse);
       }
       non_finite = torch::stack(finite).all().logical_not().reshape({1});
     }
     auto on_device = std::find_if(non_finite_by_device.begin(), non_finite_by_device.end(),
-                                  [&](const auto& entry) { return entry.first == group.device; });
+                                  [&](const auto& entry) { return entry.first == device; });
     if (on_device == non_finite_by_device.end()) {
-      on_device = non_finite_by_device.insert(non_finite_by_device.end(), {group.device, {}});
+      on_device = non_finite_by_device.insert(non_finite_by_device.end(), {device, {}});
     }
     on_device->second.push_back(non_finite);
   }

@@ -201,7 +201,7 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
 
 // The case at a size that runs in milliseconds, its structure kept (kind, dtype, heads and
 // grouped heads, causal, window, dropout, autocast): what --smoke runs. The same shrinking as
-// tests/scripts/bench_cases_test.py's for the PyTorch side.
+// scripts/bench_pytorch.py --smoke's for the PyTorch side.
 Case shrunk(Case c) {
   c.batch = std::min<int64_t>(c.batch, 2);
   c.seq_len = std::min<int64_t>(c.seq_len, 16);
