@@ -110,10 +110,18 @@ bind /dev/pts /dev/pts
 bind "$root" /qkv
 [[ -d /dev/shm ]] && bind /dev/shm /dev/shm
 
+# OpenBLAS's settings go in as one set: a machine that sets OPENBLAS_CORETYPE may set OPENBLAS_L2_SIZE
+# beside it, and one without the other can crash. Debian unstable's OpenBLAS 0.3.34 on an AMD CPU with
+# AVX-512 and a 1 MiB L2 enlarges the blocking of a forced AVX2 core (Haswell) past its dgemm kernel's
+# stack buffer (OpenMathLib/OpenBLAS#6021, fixed by #6027): with OPENBLAS_CORETYPE=Haswell alone, a
+# float64 product 512 deep segfaulted there (AMD EPYC Zen 5, 2026-12-04); with the L2 size as well, not.
+openblas_settings=()
+while IFS= read -r name; do openblas_settings+=("$name=${!name}"); done < <(compgen -e | grep '^OPENBLAS_' || true)
+
 in_chroot() {
   "${sudo[@]}" chroot "$chroot_dir" /usr/bin/env -i HOME=/root TERM="${TERM:-dumb}" LANG=C.UTF-8 \
     PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin QKV_BUILD_DIR="/qkv/build-$release" \
-    QKV_CMAKE_ARGS="${QKV_CMAKE_ARGS:-}" ${OPENBLAS_CORETYPE:+OPENBLAS_CORETYPE="$OPENBLAS_CORETYPE"} \
+    QKV_CMAKE_ARGS="${QKV_CMAKE_ARGS:-}" "${openblas_settings[@]}" \
     ${GLIBC_TUNABLES:+GLIBC_TUNABLES="$GLIBC_TUNABLES"} ${MALLOC_MMAP_THRESHOLD_:+MALLOC_MMAP_THRESHOLD_="$MALLOC_MMAP_THRESHOLD_"} \
     ${MALLOC_TRIM_THRESHOLD_:+MALLOC_TRIM_THRESHOLD_="$MALLOC_TRIM_THRESHOLD_"} \
     ${QKV_TILED_ISA:+QKV_TILED_ISA="$QKV_TILED_ISA"} ${ATEN_CPU_CAPABILITY:+ATEN_CPU_CAPABILITY="$ATEN_CPU_CAPABILITY"} \

@@ -22,6 +22,14 @@ torch::Tensor dense(const torch::Tensor& t) {
   return t.is_non_overlapping_and_dense() && (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
 }
 
+// Heads of width 1 go to the CPU kernels one zero column wider: PyTorch 2.6's CPU flash attention
+// returned bfloat16 gradients off by 100% of their size for such heads past 128 keys with more than
+// one head (its output, its float32 and float16, and PyTorch 2.14's were right; found by qkv's
+// differential test, tests/test_backends_agree.cpp). The widened attention is the same: each score
+// q·k gains 0·0, the output's extra column (V's zero one) is cut off, and what the pads receive as
+// gradient goes nowhere. Exact in every dtype, and heads this narrow are small, so every dtype takes it.
+torch::Tensor widened(const torch::Tensor& t) { return at::constant_pad_nd(t, {0, 1}); }
+
 // at::scaled_dot_product_attention as each LibTorch version has it: the scale argument since 2.1,
 // grouped key/value heads (enable_gqa) since 2.5.
 torch::Tensor call_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -72,6 +80,10 @@ AttentionResult fused_attention(const torch::Tensor& q_in, const torch::Tensor& 
   const double dropout = options.training() ? options.dropout() : 0.0;
   const double scale = resolved_scale(options, q.size(-1));
   const int64_t groups = options.enable_gqa() ? query_groups(q, k) : 1;
+  // The scale above is of the caller's width, and call_kernel passes it on as it is.
+  const bool widen_keys = q.is_cpu() && q.size(-1) == 1, widen_values = q.is_cpu() && v.size(-1) == 1;
+  const auto queries = widen_keys ? widened(q) : q, keys = widen_keys ? widened(k) : k;
+  const auto values = widen_values ? widened(v) : v;
   torch::Tensor output;
   if (groups > 1 && num_queries == 1 && !kernel_causal) {
     // One query row per head (a decoded token) with grouped key/value heads: the G query heads of a
@@ -82,12 +94,13 @@ AttentionResult fused_attention(const torch::Tensor& q_in, const torch::Tensor& 
     // decoding figures); before 2.5 they are repeated, a copy of the whole cache for every token.
     // A mask with a head dimension (validated as H) stacks like q; one without broadcasts over the rows.
     if (mask && mask->dim() >= 3 && mask->size(-3) > 1) mask = stack_groups(*mask, groups);
-    output = unstack_groups(call_kernel(stack_groups(q, groups), k, v, mask, dropout, /*causal=*/false, scale,
-                                        /*groups=*/1),
+    output = unstack_groups(call_kernel(stack_groups(queries, groups), keys, values, mask, dropout,
+                                        /*causal=*/false, scale, /*groups=*/1),
                             groups);  // (..., Hkv, G, Dv) -> (..., H, 1, Dv)
   } else {
-    output = call_kernel(q, k, v, mask, dropout, kernel_causal, scale, groups);
+    output = call_kernel(queries, keys, values, mask, dropout, kernel_causal, scale, groups);
   }
+  if (widen_values) output = output.narrow(-1, 0, 1);
   if (dead_rows.defined()) output = output.masked_fill(dead_rows, 0.0);
   AttentionResult result;
   result.output = std::move(output);
