@@ -116,6 +116,45 @@ TEST(BackendsAgree, HeadsOfWidthOneInBFloat16) {
   EXPECT_EQ(qkv_test::check_case(wider_values), "");
 }
 
+// Rows that a finite additive mask covers entirely (-1e9, as many programs write it, on query rows
+// that see only padding): over more than one key block the tiled backward took P = exp(S - L) with
+// L = m + log l, which at |m| = 1e9 rounds to m, so every key of such a row got P = 1 instead of 1/S
+// and the gradients came out up to 169 times their size (found by the differential test with -1e9
+// in place of -inf, 2026-12-04). Against the math path in the same dtype (in float32 the mask
+// swallows the scores, so both give each key 1/S) and in float64.
+TEST(BackendsAgree, RowsCoveredByAFiniteMask) {
+  for (const int64_t S : {200, 300, 600}) {
+    for (const auto dtype : {torch::kDouble, torch::kFloat, torch::kBFloat16}) {
+      SCOPED_TRACE(std::to_string(S) + " keys, " + c10::toString(dtype));
+      torch::manual_seed(1);
+      const int64_t N = 4, D = 8;
+      const auto q0 = torch::randn({1, 2, N, D}, torch::kDouble), k0 = torch::randn({1, 2, S, D}, torch::kDouble);
+      const auto v0 = torch::randn({1, 2, S, D}, torch::kDouble), up = torch::randn({1, 2, N, D}, torch::kDouble);
+      auto bias = torch::randn({N, S}, torch::kDouble);
+      bias[0].fill_(-1e9);                           // covered entirely
+      bias[1].slice(0, 0, S / 2).fill_(-1e9);        // half of it
+      bias[3].fill_(std::numeric_limits<float>::lowest());  // the float32's lowest value (as Hugging Face masks)
+      auto run = [&](AttentionBackend backend) {
+        auto q = q0.to(dtype).requires_grad_(), k = k0.to(dtype).requires_grad_(), v = v0.to(dtype).requires_grad_();
+        const auto options = qkv::ScaledDotProductAttentionOptions().mask(bias.to(dtype)).backend(backend);
+        const auto out = qkv::scaled_dot_product_attention(q, k, v, options).output;
+        (out * up.to(dtype)).sum().backward();
+        return std::vector<torch::Tensor>{out.detach(), q.grad(), k.grad(), v.grad()};
+      };
+      const auto expected = run(AttentionBackend::Math);
+      const double tolerance = dtype == torch::kDouble ? 1e-10 : qkv_test::tolerance_for(dtype, S);
+      for (const auto backend : qkv_test::backends_to_check()) {
+        const auto actual = run(backend);
+        const char* names[] = {"output", "dQ", "dK", "dV"};
+        for (size_t i = 0; i < actual.size(); ++i) {
+          EXPECT_TRUE(qkv_test::tensors_close(actual[i].to(torch::kDouble), expected[i].to(torch::kDouble), tolerance))
+              << backend << ": " << names[i];
+        }
+      }
+    }
+  }
+}
+
 // The cases the review reported, each alone: a key made with unfold (stride(-2) = 1 < D), a
 // tensor expanded along positions (stride 0), a (B, H, D, 1) tensor transposed to (B, H, 1, D).
 TEST(BackendsAgree, TheLayoutsTheReviewFoundWrong) {

@@ -551,11 +551,12 @@ int64_t pair_index(int64_t t, int64_t j, int64_t width, int64_t depth) {
 double from_bits(uint16_t bits) { return static_cast<double>(static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()))); }
 
 // The backward's one pass over a block with bfloat16 products (softmax_backward_block), on the path
-// QKV_TILED_ISA leaves, against float64: P = exp(factor · S - L) or the kept P, dropout's kept
+// QKV_TILED_ISA leaves, against float64: P = exp((factor · S - m) - log l) or the kept P, dropout's kept
 // pairs scaled by 1 / (1 - p), dS = P ⊙ (dP' - D); the panels of P ⊙ Z / (1 - p) and of dS and the
 // rows of dS each within one bfloat16 rounding (2^-9 relative; 2^-8 allowed for the float32 work
 // before it), zeros in every pair past the rows and every column past n up to the panel width,
-// nothing written past n in the rows; a dead row (L = +inf) all zeros; a NaN score a NaN.
+// nothing written past n in the rows; a dead row (m = +inf) all zeros; a NaN score a NaN; and a row
+// whose scores are all -2^30 (a finite mask over the whole row) gets 1 / n for every key.
 TEST(RowOperations, SoftmaxBackwardBlockFillsPairPanelsAsFloat64) {
   std::mt19937 random(11);
   const float inf = std::numeric_limits<float>::infinity();
@@ -570,7 +571,7 @@ TEST(RowOperations, SoftmaxBackwardBlockFillsPairPanelsAsFloat64) {
                        std::to_string(n) + ", mode " + std::to_string(mode));
           const int64_t stride = n + 3, depth = (rows + 1) / 2 + 2;
           const float factor = 0.35f, keep_scale = 1.25f;
-          std::vector<float> scores(rows * stride), grad_p(rows * stride), lse(rows), delta(rows);
+          std::vector<float> scores(rows * stride), grad_p(rows * stride), statistics(2 * rows), delta(rows);
           std::vector<uint8_t> keep(rows * stride);
           for (int64_t i = 0; i < rows * stride; ++i) {
             scores[i] = kept_p ? std::uniform_real_distribution<float>(0.0f, 0.2f)(random)
@@ -578,9 +579,22 @@ TEST(RowOperations, SoftmaxBackwardBlockFillsPairPanelsAsFloat64) {
             grad_p[i] = draw<float>(random);
             keep[i] = std::bernoulli_distribution(0.8)(random) ? 1 : 0;
           }
-          for (int64_t r = 0; r < rows; ++r) lse[r] = std::uniform_real_distribution<float>(0.0f, 4.0f)(random), delta[r] = draw<float>(random);
+          for (int64_t r = 0; r < rows; ++r) {
+            statistics[2 * r] = std::uniform_real_distribution<float>(-1.0f, 2.0f)(random);                // m
+            statistics[2 * r + 1] = std::uniform_real_distribution<float>(0.0f, 3.0f)(random);            // log l
+            delta[r] = draw<float>(random);
+          }
           const bool dead_row = !kept_p && rows > 2;  // row 1 attends to nothing
-          if (dead_row) lse[1] = inf;
+          if (dead_row) statistics[2] = inf;
+          const bool masked_row = !kept_p && rows > 3;  // row 2: a finite mask over all of it
+          if (masked_row) {
+            // A power of two, so that factor · S is exact in float32 and m = factor · S exactly: the
+            // forward's n exponentials are each exp(0), l = n. m + log l (about -3.8e8 + 3) would
+            // round to m.
+            for (int64_t j = 0; j < n; ++j) scores[2 * stride + j] = -0x1p30f;
+            statistics[4] = factor * -0x1p30f;
+            statistics[5] = static_cast<float>(std::log(static_cast<double>(n)));
+          }
           const bool with_nan = rows == 5 && n == 17;
           if (with_nan) scores[0 * stride + 3] = std::numeric_limits<float>::quiet_NaN();
           const int64_t panel_values = (n + width - 1) / width * depth * 2 * width;
@@ -590,7 +604,7 @@ TEST(RowOperations, SoftmaxBackwardBlockFillsPairPanelsAsFloat64) {
           qkv::kernels::GradScoresBlock block;
           block.rows = rows, block.n = n;
           block.scores = scores.data(), block.scores_stride = stride;
-          block.lse = kept_p ? nullptr : lse.data();
+          block.row_statistics = kept_p ? nullptr : statistics.data();
           block.factor = factor;
           block.grad_probabilities = grad_p.data(), block.grad_probabilities_stride = stride;
           block.delta = delta.data();
@@ -615,9 +629,10 @@ TEST(RowOperations, SoftmaxBackwardBlockFillsPairPanelsAsFloat64) {
                   continue;
                 }
                 const int64_t at = r * stride + j;
-                const double probability = kept_p ? double(scores[at])
-                                           : lse[r] == inf ? 0.0
-                                                           : std::exp(double(factor) * scores[at] - double(lse[r]));
+                // factor · S - m first (exactly 0 for the -2^30 row; m + log l formed first would lose log l).
+                const double m = statistics[2 * r], log_sum = statistics[2 * r + 1];
+                const double difference = double(factor) * scores[at] - m;
+                const double probability = kept_p ? double(scores[at]) : m == inf ? 0.0 : std::exp(difference - log_sum);
                 const bool kept = !dropout || keep[at] != 0;
                 const double scale = dropout ? double(keep_scale) : 1.0;
                 const double weight = kept ? probability * scale : 0.0;
@@ -635,7 +650,7 @@ TEST(RowOperations, SoftmaxBackwardBlockFillsPairPanelsAsFloat64) {
                 EXPECT_TRUE(close(from_bits(rows_out[at]), ds, magnitude)) << r << ", " << j;
                 // float32: P's relative error (the exponential's polynomial, 3e-6, and forming v · log2(e))
                 // times |dP' - D|, and the float32 operations after it.
-                const double v = kept_p || lse[r] == inf ? 0.0 : std::abs(double(factor) * scores[at] - double(lse[r]));
+                const double v = kept_p || m == inf ? 0.0 : std::abs(difference - log_sum);
                 if (float_out) {
                   EXPECT_NEAR(floats[at], ds, (4e-6 + 1.2e-7 * v) * magnitude + 1e-30) << r << ", " << j;
                 } else {

@@ -73,11 +73,12 @@ OutputMatrix4<T> output_of(const torch::Tensor& t) {
   return {t.template data_ptr<T>(), readable.stride_b, readable.stride_h, readable.stride_row};
 }
 
-// The forward's outputs: the attention output (B, H, N, Dv), the rows' log-sum-exp (B, H, N), and,
+// The forward's outputs: the attention output (B, H, N, Dv), the rows' statistics (B, H, N, 2:
+// m and log l, kernel.h), and,
 // when a backward will follow and the problem is small (keeps_probabilities), the probabilities
 // (B, H, N, S) for it (else an empty tensor).
 struct ForwardResult {
-  torch::Tensor output, lse, probabilities;
+  torch::Tensor output, row_statistics, probabilities;
 };
 
 // Runs the forward into `output` (B, H, N, Dv), kernel_readable.
@@ -90,11 +91,11 @@ ForwardResult run_forward(const Operands& o, const Settings& settings, bool back
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = problem_of<acc_t>(o, settings);
     const auto accumulation = q.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-    result.lse = torch::empty({p.B, p.H, p.N}, accumulation);
+    result.row_statistics = torch::empty({p.B, p.H, p.N, kRowStatistics}, accumulation);
     const bool keep = backward_follows && keeps_probabilities(p);
     result.probabilities = keep ? torch::empty({p.B, p.H, p.N, p.S}, accumulation) : torch::empty({0}, accumulation);
     forward_blocks<scalar_t, acc_t>(p, matrix_of<scalar_t>(o.q), matrix_of<scalar_t>(o.k), matrix_of<scalar_t>(o.v),
-                                    output_of<scalar_t>(result.output), result.lse.data_ptr<acc_t>(),
+                                    output_of<scalar_t>(result.output), result.row_statistics.data_ptr<acc_t>(),
                                     keep ? result.probabilities.data_ptr<acc_t>() : nullptr);
   });
   return result;
@@ -108,7 +109,7 @@ struct Gradients {
 Gradients run_backward(const Operands& o, const ForwardResult& forward, const torch::Tensor& grad_out,
                        const Settings& settings, bool want_mask_gradient) {
   const auto& out = forward.output;
-  const auto& lse = forward.lse;
+  const auto& row_statistics = forward.row_statistics;
   const auto& q = o.q;
   Gradients grads;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "qkv_tiled_backward", [&] {
@@ -117,7 +118,7 @@ Gradients run_backward(const Operands& o, const ForwardResult& forward, const to
     grads.q = empty_in_layout_of(o.q, p.D, q.options());
     grads.k = empty_in_layout_of(o.k, p.D, q.options());
     grads.v = empty_in_layout_of(o.v, p.Dv, q.options());
-    if (want_mask_gradient) grads.mask = torch::zeros({p.B, p.H, p.N, p.S}, lse.options());
+    if (want_mask_gradient) grads.mask = torch::zeros({p.B, p.H, p.N, p.S}, row_statistics.options());
     // The upstream gradient as it comes (after the module's head join: the output's layout), unless
     // the kernel cannot read it in place (an expanded gradient of a sum, say).
     const auto grad = kernel_readable(grad_out) ? grad_out : grad_out.contiguous();
@@ -125,7 +126,8 @@ Gradients run_backward(const Operands& o, const ForwardResult& forward, const to
                                         output_of<scalar_t>(grads.v),
                                         want_mask_gradient ? grads.mask.data_ptr<acc_t>() : nullptr};
     backward_blocks<scalar_t, acc_t>(p, matrix_of<scalar_t>(o.q), matrix_of<scalar_t>(o.k), matrix_of<scalar_t>(o.v),
-                                     matrix_of<scalar_t>(out), matrix_of<scalar_t>(grad), lse.data_ptr<acc_t>(),
+                                     matrix_of<scalar_t>(out), matrix_of<scalar_t>(grad),
+                                     row_statistics.data_ptr<acc_t>(),
                                      forward.probabilities.numel() > 0 ? forward.probabilities.data_ptr<acc_t>()
                                                                        : nullptr,
                                      results);
@@ -165,7 +167,7 @@ struct SavedState {
   void save(torch::autograd::AutogradContext* ctx) const {
     const auto& o = operands;
     ctx->save_for_backward(
-        {q, k, v, o.q, o.k, o.v, o.mask, o.key_lengths, forward.output, forward.lse, forward.probabilities});
+        {q, k, v, o.q, o.k, o.v, o.mask, o.key_lengths, forward.output, forward.row_statistics, forward.probabilities});
     ctx->saved_data["scale"] = settings.scale;
     ctx->saved_data["dropout"] = settings.dropout;
     ctx->saved_data["causal"] = settings.causal;
@@ -180,7 +182,7 @@ struct SavedState {
     state.q = saved[0], state.k = saved[1], state.v = saved[2];
     auto& o = state.operands;
     o.q = saved[3], o.k = saved[4], o.v = saved[5], o.mask = saved[6], o.key_lengths = saved[7];
-    state.forward.output = saved[8], state.forward.lse = saved[9], state.forward.probabilities = saved[10];
+    state.forward.output = saved[8], state.forward.row_statistics = saved[9], state.forward.probabilities = saved[10];
     state.settings.scale = ctx->saved_data["scale"].toDouble();
     state.settings.dropout = ctx->saved_data["dropout"].toDouble();
     state.settings.causal = ctx->saved_data["causal"].toBool();

@@ -1,8 +1,9 @@
 // The tiled kernel's backward pass. Each task owns one key/value head (and so the dK, dV of all
 // its keys and the dQ of the G query heads that share it), or, with fewer heads than threads, a
 // part of its keys (their dK, dV, and a partial dQ summed at the end); for every key block it
-// recomputes the probabilities P = exp(S - L) block by block from the forward's L (or reads them,
-// where the forward kept them: keeps_probabilities in kernel.h) and accumulates
+// recomputes the probabilities P = exp((S - m) - log l) block by block from the forward's row
+// statistics (kernel.h), or reads them where the forward kept them (keeps_probabilities), and
+// accumulates
 // dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K with dS = P ⊙ (dO Vᵀ - rowsum(dO ⊙ O)). Tasks go to
 // LibTorch's threads as they become free (task_queue.h), each thread with its own scratch; no task
 // writes what another does (no atomics), so results do not depend on the thread that ran them.
@@ -76,7 +77,8 @@ class KeySplit {
 template <typename scalar_t, typename acc_t>
 void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
                      const Matrix4<scalar_t>& v, const Matrix4<scalar_t>& out, const Matrix4<scalar_t>& grad_out,
-                     const acc_t* lse, const acc_t* probabilities, const Gradients4<scalar_t, acc_t>& grads) {
+                     const acc_t* row_statistics, const acc_t* probabilities,
+                     const Gradients4<scalar_t, acc_t>& grads) {
   acc_t* const grad_scores = grads.scores;
   const int64_t G = p.groups();
   const int64_t row_blocks = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -137,7 +139,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
           GradScoresBlock block;
           block.rows = rows, block.n = seen;
           block.scores = scores, block.scores_stride = scores_stride;
-          block.lse = exponentiate ? lse + (b * p.H + h) * p.N + i0 : nullptr;
+          block.row_statistics = exponentiate ? row_statistics + ((b * p.H + h) * p.N + i0) * kRowStatistics : nullptr;
           block.factor = factor;
           block.grad_probabilities = grad_probabilities.data(), block.grad_probabilities_stride = kScoresStride;
           block.delta = delta.data() + g * p.N + i0;
@@ -225,7 +227,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
             // and dP keep rows kScoresStride apart (kernel.h), kept probabilities p.S apart.
             const int64_t seen = std::min(cols, p.key_limit(b, i0 + rows) - j0);
             if (seen <= 0) continue;
-            // P = exp(S - L): the forward's probabilities, kept (one key block: j0 = 0, cols = S)
+            // P = exp((S - m) - log l): the forward's probabilities, kept (one key block: j0 = 0, cols = S)
             // or recomputed.
             const acc_t* block_p = recomputed.data();
             const int64_t p_stride = probabilities != nullptr ? p.S : kScoresStride;
@@ -244,12 +246,12 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
                 }
               }
               for (int64_t r = 0; r < rows; ++r) {
-                const acc_t row_lse = lse[(b * p.H + h) * p.N + i0 + r];
+                const acc_t* statistics = row_statistics + ((b * p.H + h) * p.N + i0 + r) * kRowStatistics;
                 acc_t* row = recomputed.data() + r * kScoresStride;
-                if (row_lse == std::numeric_limits<acc_t>::infinity()) {  // a row with no key: P = 0
+                if (statistics[0] == std::numeric_limits<acc_t>::infinity()) {  // a row with no key: P = 0
                   std::fill(row, row + seen, acc_t(0));
                 } else {
-                  exp_shifted_sum(row, seen, factor, row_lse);
+                  exp_shifted_sum(row, seen, factor, statistics[0], statistics[1]);  // exp((f·S - m) - log l)
                 }
               }
             }

@@ -1,10 +1,11 @@
 // The tiled kernel's forward pass, in the manner of FlashAttention-2: each task takes a block of
 // query rows of one head and streams the key/value blocks past it, keeping a running row maximum m
 // and sum l (the online softmax), so that the (N, S) scores never exist beyond one block; it saves
-// the rows' log-sum-exp L = m + log l for the backward. Tasks (row blocks of a head) go to
-// LibTorch's threads as they become free (task_queue.h), each thread with its own scratch. The
-// block products run on qkv's micro-kernels (packed_products.h); bfloat16 blocks multiply in
-// bfloat16 where the CPU has AVX512_BF16, else as float32, and accumulate in float32.
+// each row's m and log l for the backward (apart, not as L = m + log l: kernel.h). Tasks (row
+// blocks of a head) go to LibTorch's threads as they become free (task_queue.h), each thread with
+// its own scratch. The block products run on qkv's micro-kernels (packed_products.h); bfloat16
+// blocks multiply in bfloat16 where the CPU has AVX512_BF16, else as float32, and accumulate in
+// float32.
 //
 // B = batch, H = query heads, N = query rows, S = keys, D = head width, Dv = value width.
 #include "kernels/tiled/aligned_buffer.h"
@@ -66,7 +67,7 @@ class PackedHead {
 
 template <typename scalar_t, typename acc_t>
 void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
-                    const Matrix4<scalar_t>& v, const OutputMatrix4<scalar_t>& out, acc_t* lse,
+                    const Matrix4<scalar_t>& v, const OutputMatrix4<scalar_t>& out, acc_t* row_statistics,
                     acc_t* probabilities) {
   const int64_t row_blocks = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t key_blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
@@ -191,12 +192,14 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         values->multiply_into(Strided<acc_t>{scores.data(), kScoresStride, 1}, rows, acc_t(1), acc_t(1),
                               accumulator.data(), p.Dv, Leading{cols, -1});
       }
-      // The rows' outputs (accumulator / row_sum; 0 for a row that attends to nothing) and L.
+      // The rows' outputs (accumulator / row_sum; 0 for a row that attends to nothing) and their
+      // statistics (m, log l), kept apart (kernel.h).
       for (int64_t r = 0; r < rows; ++r) {
         const bool dead = row_sum[r] == acc_t(0);
         inverse_sum[r] = dead ? acc_t(0) : acc_t(1) / row_sum[r];
-        lse[(b * p.H + h) * p.N + i0 + r] =
-            dead ? std::numeric_limits<acc_t>::infinity() : row_max[r] + std::log(row_sum[r]);
+        acc_t* statistics = row_statistics + ((b * p.H + h) * p.N + i0 + r) * kRowStatistics;
+        statistics[0] = dead ? std::numeric_limits<acc_t>::infinity() : row_max[r];
+        statistics[1] = dead ? acc_t(0) : std::log(row_sum[r]);
       }
       write_scaled_rows(accumulator.data(), p.Dv, rows, p.Dv, inverse_sum.data(), acc_t(1), out.rows(b, h, i0),
                         out.stride_row);

@@ -152,13 +152,23 @@ bool keeps_probabilities(const Problem<acc_t>& p) {
   return p.S <= kKeysPerBlock && bytes <= static_cast<double>(kKeptProbabilitiesBytes);
 }
 
-/// Forward: out (B, H, N, Dv) and the rows' log-sum-exp lse (B, H, N) contiguous (+inf for a row
-/// with no key); where `probabilities` is not null (keeps_probabilities), also P (B, H, N, S)
-/// contiguous, before dropout, 0 for masked pairs. Instantiated for (float, float), (double,
-/// double), (BFloat16, float).
+/// The softmax statistics of each row, from which the backward recomputes P = exp((factor · S - m)
+/// - log l): kRowStatistics values a row, (B, H, N, 2) contiguous: m, the shift the forward's
+/// exponentials took (the row's largest scaled score; with bfloat16 weights possibly the largest of
+/// the blocks before, forward.cpp), and log l, of the sum of those exponentials; m = +inf for a row
+/// with no key. Not one log-sum-exp L = m + log l: where the scores are huge in magnitude, as in a
+/// row that a finite mask (-1e9, or the dtype's lowest value) covers entirely, m + log l rounds to
+/// m, and exp(S - L) came out l times too large (P = 1 for every key of such a row: gradients off by
+/// a factor of S; found by the differential test, 2026-12-04). Forming factor · S - m first, by the
+/// same fused multiply-add in both passes, gives such a row's scores exactly exp(0) in both.
+constexpr int64_t kRowStatistics = 2;  // m, log l
+
+/// Forward: out (B, H, N, Dv) and the rows' statistics (kRowStatistics); where `probabilities` is
+/// not null (keeps_probabilities), also P (B, H, N, S) contiguous, before dropout, 0 for masked
+/// pairs. Instantiated for (float, float), (double, double), (BFloat16, float).
 template <typename scalar_t, typename acc_t>
 void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
-                    const Matrix4<scalar_t>& v, const OutputMatrix4<scalar_t>& out, acc_t* lse,
+                    const Matrix4<scalar_t>& v, const OutputMatrix4<scalar_t>& out, acc_t* row_statistics,
                     acc_t* probabilities);
 
 /// The backward's results: grad_q (B, H, N, D), grad_k (B, Hkv, S, D), grad_v (B, Hkv, S, Dv); when
@@ -171,11 +181,12 @@ struct Gradients4 {
   acc_t* scores = nullptr;
 };
 
-/// Backward: the gradients from out and grad_out (B, H, N, Dv) and the forward's lse, or its
-/// probabilities where it kept them (else null).
+/// Backward: the gradients from out and grad_out (B, H, N, Dv) and the forward's row statistics, or
+/// its probabilities where it kept them (else null).
 template <typename scalar_t, typename acc_t>
 void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
                      const Matrix4<scalar_t>& v, const Matrix4<scalar_t>& out, const Matrix4<scalar_t>& grad_out,
-                     const acc_t* lse, const acc_t* probabilities, const Gradients4<scalar_t, acc_t>& grads);
+                     const acc_t* row_statistics, const acc_t* probabilities,
+                     const Gradients4<scalar_t, acc_t>& grads);
 
 }  // namespace qkv::kernels::tiled

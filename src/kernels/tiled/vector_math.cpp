@@ -36,7 +36,7 @@ namespace {
 // log2(e): every exponential here is 2^(v · log2(e)).
 constexpr float kLog2e = 1.44269504088896341f;
 
-float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift);
+float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift, float then);
 
 // Whether the row operations take their AVX-512 versions (the instruction set the kernel's
 // products use, so QKV_TILED_ISA lowers both together).
@@ -100,12 +100,14 @@ __attribute__((target("avx512f,avx512dq"))) inline __m512 exp2_for_bf16(__m512 x
   return _mm512_maskz_scalef_ps(lanes & ~underflow, p, x);
 }
 
-__attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_t n, float factor, float shift) {
-  const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift);
+__attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_t n, float factor, float shift,
+                                                                float then) {
+  const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift), then_v = _mm512_set1_ps(then);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = tail_lanes(n - i);
-    const __m512 e = exp_of(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v, shift_v), lanes);
+    const __m512 e =
+        exp_of(_mm512_sub_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v, shift_v), then_v), lanes);
     _mm512_mask_storeu_ps(x + i, lanes, e);
     sum = _mm512_add_ps(sum, e);
   }
@@ -114,13 +116,15 @@ __attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_
 
 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float exp_shifted_sum_to_bf16_avx512(
     const float* x, int64_t n, float factor, float shift, uint16_t* out, float* largest) {
-  // exp(factor · x - shift) = 2^(x · factor · log2(e) - shift · log2(e))
-  const __m512 factor_v = _mm512_set1_ps(factor * kLog2e), shift_v = _mm512_set1_ps(shift * kLog2e);
+  // exp(factor · x - shift) = 2^((factor · x - shift) · log2(e)): the difference first, by the same
+  // fused multiply-add as every other exponential of the kernel's, forward and backward (RowStatistics
+  // in kernel.h), so that a row's scores equal to its maximum give exactly 2^0 at any magnitude.
+  const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift), log2e = _mm512_set1_ps(kLog2e);
   __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = tail_lanes(n - i);
     const __m512 values = _mm512_maskz_loadu_ps(lanes, x + i);
-    const __m512 e = exp2_for_bf16(_mm512_fmsub_ps(values, factor_v, shift_v), lanes);
+    const __m512 e = exp2_for_bf16(_mm512_mul_ps(_mm512_fmsub_ps(values, factor_v, shift_v), log2e), lanes);
     _mm256_mask_storeu_epi16(out + i, lanes, (__m256i)_mm512_cvtneps_pbh(e));
     sum = _mm512_add_ps(sum, e);
     top = _mm512_mask_max_ps(top, lanes, top, values);
@@ -132,14 +136,14 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float e
 
 }  // namespace
 
-float exp_shifted_sum(float* x, int64_t n, float factor, float shift) {
+float exp_shifted_sum(float* x, int64_t n, float factor, float shift, float then) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &exp_shifted_sum_avx512;
 #endif
     return &exp_shifted_sum_compiled;
   }();
-  return implementation(x, n, factor, shift);
+  return implementation(x, n, factor, shift, then);
 }
 
 namespace {
@@ -177,13 +181,13 @@ float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shi
 
 namespace {
 
-QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift) {
+QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift, float then) {
   // exp(v) = 2^k · exp(r), k = round(v / ln 2), r = v - k ln 2 in [-ln2/2, ln2/2]; exp(r) by the
   // minimax polynomial of Cephes' expf; 2^k by writing k into the exponent bits.
   constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
   constexpr float kRound = 12582912.0f;  // 1.5 · 2^23: adding and subtracting it rounds to an integer
   for (int64_t i = 0; i < n; ++i) {
-    const float v = factor * x[i] - shift;  // one fused multiply-add where the clone has FMA
+    const float v = (factor * x[i] - shift) - then;  // one fused multiply-add where the clone has FMA
     // Written so that a NaN lands on -87 (every comparison with NaN is false): k then stays a small
     // integer, whose conversion and shift below are defined; the NaN itself is restored at the end.
     const float clamped = v >= -87.0f ? (v <= 88.0f ? v : 88.0f) : -87.0f;
@@ -215,10 +219,10 @@ QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, fl
 
 }  // namespace
 
-double exp_shifted_sum(double* x, int64_t n, double factor, double shift) {
+double exp_shifted_sum(double* x, int64_t n, double factor, double shift, double then) {
   double sum = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    x[i] = std::exp(factor * x[i] - shift);
+    x[i] = std::exp((factor * x[i] - shift) - then);
     sum += x[i];
   }
   return sum;
@@ -324,7 +328,8 @@ QKV_TARGET_BF16 inline __m512i rounded_pairs(__m512 even, __m512 odd) {
   return tiled::interleave_halves((__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
-// One row of a block's pass: where its inputs and outputs lie, its L and D broadcast, and its lanes:
+// One row of a block's pass: where its inputs and outputs lie, its m, log l (to base 2) and D
+// broadcast, and its lanes:
 // `present` none for the missing odd row of an odd count (nothing of it is written), `live` none
 // for that row and for a row with no key, whose P and dS are 0.
 struct BlockRow {
@@ -332,7 +337,7 @@ struct BlockRow {
   const uint8_t* keep;
   uint16_t* grad_score_row;
   float* grad_scores_float;
-  __m512 lse, delta;
+  __m512 row_max, log2_sum, delta;
   __mmask16 present, live;
 };
 
@@ -348,7 +353,10 @@ QKV_TARGET_BF16 inline void block_row_step(const BlockRow& row, int64_t j0, __mm
   lanes &= row.live;
   __m512 p;
   if constexpr (kExponentiate) {
-    p = exp2_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, row.scores + j0), factor, row.lse), lanes);
+    // P = exp((factor · S - m) - log l) = 2^((factor · S - m) · log2(e) - log2(l)), the difference
+    // first, as the forward formed it (RowStatistics in kernel.h).
+    const __m512 difference = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, row.scores + j0), factor, row.row_max);
+    p = exp2_for_bf16(_mm512_fmsub_ps(difference, _mm512_set1_ps(kLog2e), row.log2_sum), lanes);
   } else {
     p = _mm512_maskz_loadu_ps(lanes, row.scores + j0);
   }
@@ -364,13 +372,16 @@ QKV_TARGET_BF16 inline void block_row_step(const BlockRow& row, int64_t j0, __mm
 }
 
 QKV_TARGET_BF16 inline BlockRow block_row(const GradScoresBlock& g, int64_t r, bool present) {
-  const bool dead = g.lse != nullptr && g.lse[r] == std::numeric_limits<float>::infinity();
+  const float* statistics = g.row_statistics != nullptr ? g.row_statistics + 2 * r : nullptr;
+  const bool dead = statistics != nullptr && statistics[0] == std::numeric_limits<float>::infinity();
+  const bool exponentiated = statistics != nullptr && !dead;
   return BlockRow{g.scores + r * g.scores_stride,
                   g.grad_probabilities + r * g.grad_probabilities_stride,
                   g.keep != nullptr ? g.keep + r * g.keep_stride : nullptr,
                   g.grad_score_rows + r * g.grad_score_rows_stride,
                   g.grad_scores_float != nullptr ? g.grad_scores_float + r * g.grad_scores_float_stride : nullptr,
-                  _mm512_set1_ps(g.lse != nullptr && !dead ? g.lse[r] * kLog2e : 0.0f),  // base 2
+                  _mm512_set1_ps(exponentiated ? statistics[0] : 0.0f),
+                  _mm512_set1_ps(exponentiated ? statistics[1] * kLog2e : 0.0f),  // log2(l)
                   _mm512_set1_ps(g.delta[r]),
                   static_cast<__mmask16>(present ? 0xFFFF : 0),
                   static_cast<__mmask16>(present && !dead ? 0xFFFF : 0)};
@@ -383,8 +394,7 @@ QKV_TARGET_BF16 void softmax_backward_pairs(const GradScoresBlock& g) {
   const int64_t panel_values = depth * 2 * width, panels = (n + width - 1) / width;
   uint16_t* const weight_panels = g.weights.data;
   uint16_t* const grad_score_panels = g.grad_scores.data;
-  // P = exp(factor · S - L) = 2^(S · factor · log2(e) - L · log2(e)) (block_row takes L to base 2)
-  const __m512 factor = _mm512_set1_ps(g.factor * kLog2e), keep_scale = _mm512_set1_ps(g.keep_scale);
+  const __m512 factor = _mm512_set1_ps(g.factor), keep_scale = _mm512_set1_ps(g.keep_scale);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t t = 0; t < depth; ++t) {
     // Pair t's 16 pairs of columns j0 ... lie at panel (j0 / width), offset t · 2 · width + (j0 % width) · 2.
@@ -431,7 +441,7 @@ QKV_TARGET_BF16 void softmax_backward_block_avx512(const GradScoresBlock& g) {
        {softmax_backward_pairs<false, true, false>, softmax_backward_pairs<false, true, true>}},
       {{softmax_backward_pairs<true, false, false>, softmax_backward_pairs<true, false, true>},
        {softmax_backward_pairs<true, true, false>, softmax_backward_pairs<true, true, true>}}};
-  kPasses[g.lse != nullptr][g.keep != nullptr][g.grad_scores_float != nullptr](g);
+  kPasses[g.row_statistics != nullptr][g.keep != nullptr][g.grad_scores_float != nullptr](g);
 }
 
 QKV_TARGET_BF16 void transpose_bf16_avx512(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols,
@@ -528,11 +538,12 @@ void softmax_backward_block_portable(const GradScoresBlock& g) {
   for (int64_t r = 0; r < g.rows; ++r) {
     float* p = weights.data() + r * g.n;
     std::copy(g.scores + r * g.scores_stride, g.scores + r * g.scores_stride + g.n, p);
-    if (g.lse != nullptr) {
-      if (g.lse[r] == std::numeric_limits<float>::infinity()) {
+    if (g.row_statistics != nullptr) {
+      const float row_max = g.row_statistics[2 * r], log_sum = g.row_statistics[2 * r + 1];
+      if (row_max == std::numeric_limits<float>::infinity()) {
         std::fill(p, p + g.n, 0.0f);
       } else {
-        exp_shifted_sum_compiled(p, g.n, g.factor, g.lse[r]);
+        exp_shifted_sum_compiled(p, g.n, g.factor, row_max, log_sum);
       }
     }
     const float* dp = g.grad_probabilities + r * g.grad_probabilities_stride;

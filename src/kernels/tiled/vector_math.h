@@ -9,13 +9,14 @@
 
 namespace qkv::kernels {
 
-/// x[i] <- exp(factor · x[i] - shift) for i < n (factor > 0), and returns their sum. Entries
-/// where factor · x[i] - shift is below -87 (masked ones are -inf) become exactly 0; a NaN stays
+/// x[i] <- exp((factor · x[i] - shift) - then) for i < n (factor > 0), and returns their sum.
+/// Entries where the exponent is below -87 (masked ones are -inf) become exactly 0; a NaN stays
 /// NaN. float: a Cephes-style polynomial, relative error below 1e-7 (factor · x[i] - shift formed
 /// by one fused multiply-add); double: std::exp. The factor is the softmax scale when the scores
-/// come unscaled from their product (kernel.h, Problem::deferred_scale).
-float exp_shifted_sum(float* x, int64_t n, float factor, float shift);
-double exp_shifted_sum(double* x, int64_t n, double factor, double shift);
+/// come unscaled from their product (kernel.h, Problem::deferred_scale). `then` is the backward's
+/// log of the row's sum, taken after its maximum `shift` (RowStatistics in kernel.h).
+float exp_shifted_sum(float* x, int64_t n, float factor, float shift, float then = 0.0f);
+double exp_shifted_sum(double* x, int64_t n, double factor, double shift, double then = 0.0);
 inline float exp_shifted_sum(float* x, int64_t n, float shift) { return exp_shifted_sum(x, n, 1.0f, shift); }
 
 /// As exp_shifted_sum, but the exponentials go to `out` as bfloat16 (raw bits, rounded to nearest
@@ -59,16 +60,16 @@ struct PairPanels {
 };
 
 /// One block of the backward whose products multiply bfloat16 (`rows` query rows × `n` keys), in
-/// one pass: the probabilities P = exp(factor · S - L) (or P itself where the forward kept it),
+/// one pass: the probabilities P = exp((factor · S - m) - log l) (or P itself where the forward kept it),
 /// dropout's kept pairs, dS = P ⊙ (dP - D), and what the block's three products take next, rounded
 /// to bfloat16 (nearest even): P ⊙ Z / (1 - p) and dS as the pair panels of right operands (dVᵀ +=
 /// dOᵀ · P, dKᵀ += Qᵀ · dS: their reduction runs along the rows, so no operand is transposed per
 /// block), dS as rows (dQ += dS · K), and dS in float32 where asked (an additive mask's gradient).
 struct GradScoresBlock {
   int64_t rows = 0, n = 0;
-  const float* scores = nullptr;  // S, unscaled by `factor` (P itself where lse is null)
+  const float* scores = nullptr;  // S, unscaled by `factor` (P itself where row_statistics is null)
   int64_t scores_stride = 0;
-  const float* lse = nullptr;  // L of each row; +inf: a row with no key, whose P is 0
+  const float* row_statistics = nullptr;  // (m, log l) of each row (kernel.h); m = +inf: a row with no key, P = 0
   float factor = 1;
   const float* grad_probabilities = nullptr;  // dP = dO Vᵀ
   int64_t grad_probabilities_stride = 0;
