@@ -445,12 +445,12 @@ TEST(Tiled, KeptProbabilitiesAreWrittenWholeOverAnyBuffer) {
       return tiled::Matrix4<double>{t.data_ptr<double>(), t.stride(0), t.stride(1), t.stride(2)};
     };
     auto out = torch::empty({c.B, H, c.N, D}, torch::kDouble);
-    auto lse = torch::empty({c.B, H, c.N}, torch::kDouble);
+    auto row_statistics = torch::empty({c.B, H, c.N, tiled::kRowStatistics}, torch::kDouble);
     auto kept = torch::full({c.B, H, c.N, c.S}, std::numeric_limits<double>::quiet_NaN(), torch::kDouble);
     tiled::forward_blocks<double, double>(
         p, view(q), view(k), view(v),
         tiled::OutputMatrix4<double>{out.data_ptr<double>(), out.stride(0), out.stride(1), out.stride(2)},
-        lse.data_ptr<double>(), kept.data_ptr<double>());
+        row_statistics.data_ptr<double>(), kept.data_ptr<double>());
 
     const auto scores = torch::matmul(q, k.transpose(-2, -1)) * p.scale;
     const auto masked = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
