@@ -120,8 +120,10 @@ TEST(BackendsAgree, HeadsOfWidthOneInBFloat16) {
 // that see only padding): over more than one key block the tiled backward took P = exp(S - L) with
 // L = m + log l, which at |m| = 1e9 rounds to m, so every key of such a row got P = 1 instead of 1/S
 // and the gradients came out up to 169 times their size (found by the differential test with -1e9
-// in place of -inf, 2026-12-04). Against the math path in the same dtype (in float32 the mask
-// swallows the scores, so both give each key 1/S) and in float64.
+// in place of -inf, 2026-12-04; PyTorch's own CPU kernel behind the fused backend, 2.6 and 2.14, had
+// the same fault). The tiled kernel against the math path in the same dtype (in float32 the mask
+// swallows those rows' scores, so both give each key 1/S); the fused backend, which takes such a
+// row's largest mask value off first (fused_sdpa.cpp) and so keeps its scores, against float64.
 TEST(BackendsAgree, RowsCoveredByAFiniteMask) {
   for (const int64_t S : {200, 300, 600}) {
     for (const auto dtype : {torch::kDouble, torch::kFloat, torch::kBFloat16}) {
@@ -133,18 +135,26 @@ TEST(BackendsAgree, RowsCoveredByAFiniteMask) {
       auto bias = torch::randn({N, S}, torch::kDouble);
       bias[0].fill_(-1e9);                           // covered entirely
       bias[1].slice(0, 0, S / 2).fill_(-1e9);        // half of it
-      bias[3].fill_(std::numeric_limits<float>::lowest());  // the float32's lowest value (as Hugging Face masks)
-      auto run = [&](AttentionBackend backend) {
-        auto q = q0.to(dtype).requires_grad_(), k = k0.to(dtype).requires_grad_(), v = v0.to(dtype).requires_grad_();
-        const auto options = qkv::ScaledDotProductAttentionOptions().mask(bias.to(dtype)).backend(backend);
+      bias[3].fill_(-3e8);  // (float32's lowest value would swallow the scores in float64 too)
+      auto run = [&](AttentionBackend backend, torch::ScalarType in, bool centred = false) {
+        // Fresh leaves each run (to() of a tensor already in `in` would hand back q0 itself).
+        auto q = q0.to(dtype).to(in).clone().requires_grad_(), k = k0.to(dtype).to(in).clone().requires_grad_();
+        auto v = v0.to(dtype).to(in).clone().requires_grad_();
+        auto mask = bias.to(dtype).to(in);
+        // The exact answer: each row's largest value taken off in float64 first (softmax does not
+        // see it), or -1e9 + S would round the scores at 1e-7 even in float64.
+        if (centred) mask = mask - mask.amax(-1, /*keepdim=*/true);
+        const auto options = qkv::ScaledDotProductAttentionOptions().mask(mask).backend(backend);
         const auto out = qkv::scaled_dot_product_attention(q, k, v, options).output;
-        (out * up.to(dtype)).sum().backward();
+        (out * up.to(dtype).to(in)).sum().backward();
         return std::vector<torch::Tensor>{out.detach(), q.grad(), k.grad(), v.grad()};
       };
-      const auto expected = run(AttentionBackend::Math);
+      const auto same_dtype = run(AttentionBackend::Math, dtype);
+      const auto exact = run(AttentionBackend::Math, torch::kDouble, /*centred=*/true);
       const double tolerance = dtype == torch::kDouble ? 1e-10 : qkv_test::tolerance_for(dtype, S);
       for (const auto backend : qkv_test::backends_to_check()) {
-        const auto actual = run(backend);
+        const auto actual = run(backend, dtype);
+        const auto& expected = backend == AttentionBackend::Fused ? exact : same_dtype;
         const char* names[] = {"output", "dQ", "dK", "dV"};
         for (size_t i = 0; i < actual.size(); ++i) {
           EXPECT_TRUE(qkv_test::tensors_close(actual[i].to(torch::kDouble), expected[i].to(torch::kDouble), tolerance))

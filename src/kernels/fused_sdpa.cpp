@@ -30,6 +30,21 @@ torch::Tensor dense(const torch::Tensor& t) {
 // gradient goes nowhere. Exact in every dtype, and heads this narrow are small, so every dtype takes it.
 torch::Tensor widened(const torch::Tensor& t) { return at::constant_pad_nd(t, {0, 1}); }
 
+// An additive mask whose row is huge in magnitude everywhere (a finite mask over the whole row:
+// -1e9, or the dtype's lowest value, on a query that sees only padding) takes that row's largest
+// value off, which leaves its softmax as it was. PyTorch's CPU kernels keep a row's log-sum-exp
+// L = m + log l for their backward, which at |m| = 1e9 rounds to m: their gradients came out up to
+// 82 times their size for such rows (PyTorch 2.6 and 2.14, float32 and bfloat16; the same mistake
+// qkv's tiled kernel made, kernel.h). Rows whose largest value is below 64 in magnitude, where that
+// rounding is below float32's own step at the scores, are left as they are (no rounding is added to
+// a bfloat16 learned bias); the shift is constant in the mask (detached), as softmax does not see it.
+torch::Tensor centred_rows(const torch::Tensor& mask) {
+  const auto row_max = mask.amax(-1, /*keepdim=*/true).detach();
+  const auto huge = torch::isfinite(row_max).logical_and(row_max.abs() > 64.0);
+  if (!huge.any().item<bool>()) return mask;
+  return mask - row_max.masked_fill(huge.logical_not(), 0.0);
+}
+
 // at::scaled_dot_product_attention as each LibTorch version has it: the scale argument since 2.1,
 // grouped key/value heads (enable_gqa) since 2.5.
 torch::Tensor call_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -76,6 +91,7 @@ AttentionResult fused_attention(const torch::Tensor& q_in, const torch::Tensor& 
                                                                   : prepared.mask.masked_fill(dead_rows, 0.0);
     }
     mask = prepared.mask;
+    if (q.is_cpu() && mask->is_floating_point()) mask = centred_rows(*mask);
   }
   const double dropout = options.training() ? options.dropout() : 0.0;
   const double scale = resolved_scale(options, q.size(-1));
