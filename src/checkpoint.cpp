@@ -9,6 +9,7 @@
 #include "torch_compat.h"
 
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 namespace qkv {
@@ -61,6 +62,26 @@ struct AutocastState {
   }
 };
 
+// Autocast's cache of casts off for a scope. LibTorch's autocast keeps the casts of float32 weights
+// (leaves that require grad) until the outermost autocast scope ends (Apex's heuristic). A cast made
+// by the checkpoint's forward, which runs without autograd, has no history: reused later in the
+// scope (by the recomputation, or by code that reads the weight again after the checkpoint) it cut
+// the weight off from its gradient (ActivationCheckpointing.UnderAutocast... in
+// tests/test_long_sequences.cpp). Neither run caches, then; a weight the function reads twice is
+// cast twice.
+class AutocastCacheOff {
+ public:
+  AutocastCacheOff() : previous_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(previous_); }
+  AutocastCacheOff(const AutocastCacheOff&) = delete;
+  AutocastCacheOff& operator=(const AutocastCacheOff&) = delete;
+
+ private:
+  bool previous_;
+};
+
 // What the backward needs besides the saved tensors.
 struct Recipe : torch::CustomClassHolder {
   CheckpointedFunction function;
@@ -80,6 +101,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     saved.insert(saved.end(), parameters.begin(), parameters.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["recipe"] = c10::IValue::make_capsule(recipe);
+    const AutocastCacheOff no_cached_casts;
     return recipe->function(std::vector<torch::Tensor>(inputs.begin(), inputs.end()));  // autograd is off here
   }
 
@@ -112,6 +134,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
           autocast.apply();
         }
       } restore{*recipe, current, current_autocast};
+      const AutocastCacheOff no_cached_casts;
       torch::AutoGradMode enable(true);
       output = recipe->function(inputs);
     }

@@ -256,6 +256,78 @@ TEST(ActivationCheckpointing, GradientsAreBitIdenticalToThePlainBlockWithDropout
   }
 }
 
+// Under bfloat16 autocast every parameter of the checkpointed block gets the plain block's
+// gradient. LibTorch's autocast caches its casts of the weights (Apex's heuristic); a cast made by
+// a checkpoint's forward, which runs without autograd, has no history, and the recomputation that
+// reused it gave the weights it stood for no gradient at all (W_k's bias at 7 positions; found by
+// ModuleAgrees, 2026-12-04). Equal within bfloat16's rounding, not bit for bit: without a backward
+// to follow, the tiled kernel's forward rounds differently (it keeps no probabilities), and the
+// nested checkpoints' recomputation feeds the MLP that forward's output.
+TEST(ActivationCheckpointing, UnderAutocastEveryParameterGetsThePlainBlocksGradient) {
+  for (const bool bias : {true, false}) {
+    for (const int64_t N : {int64_t{7}, int64_t{130}}) {  // LibTorch's products and qkv's GEMM route
+      SCOPED_TRACE("bias " + std::to_string(bias) + ", N " + std::to_string(N));
+      auto options = qkv::TransformerBlockOptions(16, 2).rope(true).causal(true).mlp_ratio(2).bias(bias);
+      torch::manual_seed(33);
+      qkv::TransformerBlock plain(options);
+      qkv::TransformerBlock checkpointed(options.checkpoint(true));
+      qkv::load_state_dict(*checkpointed, [&] {
+        std::map<std::string, torch::Tensor> weights;
+        for (const auto& item : plain->named_parameters()) weights[item.key()] = item.value().detach();
+        return weights;
+      }(), "plain block");
+      const auto x = torch::randn({2, N, 16}), upstream = torch::randn({2, N, 16});
+      auto run_block = [&](qkv::TransformerBlock& block) {
+        auto input = x.clone().requires_grad_(true);
+        torch::Tensor out;
+        {
+          const qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+          out = block(input);
+        }
+        (out.to(torch::kFloat) * upstream).sum().backward();
+        std::map<std::string, torch::Tensor> grads{{"output", out.detach()}, {"input", input.grad()}};
+        for (const auto& item : block->named_parameters()) grads[item.key()] = item.value().grad();
+        return grads;
+      };
+      const auto expected = run_block(plain), actual = run_block(checkpointed);
+      for (const auto& [name, grad] : expected) {
+        ASSERT_TRUE(grad.defined()) << name;
+        ASSERT_TRUE(actual.at(name).defined()) << name << ": no gradient";
+        EXPECT_TRUE(qkv_test::tensors_close(actual.at(name), grad, qkv_test::tolerance_for(torch::kBFloat16, 2 * N)))
+            << name;
+      }
+    }
+  }
+}
+
+// A weight a checkpointed function reads and the code after it reads again, in one autocast
+// region (weights tied, as an embedding and an output layer often are): its gradient has both
+// uses, as without the checkpoint.
+TEST(ActivationCheckpointing, AWeightUsedAgainAfterTheCheckpointUnderAutocastGetsBothGradients) {
+  torch::manual_seed(34);
+  torch::nn::Linear shared(8, 8);
+  const auto x = torch::randn({4, 8});
+  auto run = [&](bool checkpointed) {
+    shared->zero_grad();
+    torch::Tensor out;
+    {
+      const qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      auto inner = [&](const std::vector<torch::Tensor>& in) { return torch::relu(shared(in[0])); };
+      const auto input = x.clone().requires_grad_(true);
+      const auto h = checkpointed ? qkv::checkpoint(inner, {input}, shared->parameters()) : inner({input});
+      out = shared(h);  // the same weight again, after the checkpoint
+    }
+    out.to(torch::kFloat).sum().backward();
+    return std::make_pair(shared->weight.grad().clone(), shared->bias.grad().clone());
+  };
+  const auto plain = run(false), checkpointed = run(true);
+  // Within bfloat16's rounding: with the cache, both uses share one cast, whose two gradients are
+  // added in bfloat16; without it, each use's cast adds its own in float32.
+  const double tolerance = qkv_test::tolerance_for(torch::kBFloat16, 8);
+  EXPECT_TRUE(qkv_test::tensors_close(checkpointed.first, plain.first, tolerance)) << "weight";
+  EXPECT_TRUE(qkv_test::tensors_close(checkpointed.second, plain.second, tolerance)) << "bias";
+}
+
 TEST(ActivationCheckpointing, InferenceAndNoGradRunThePlainForward) {
   torch::manual_seed(32);
   qkv::TransformerBlock block(qkv::TransformerBlockOptions(16, 2).causal(true).checkpoint(true));

@@ -1,15 +1,18 @@
 // The module-level differential test: random qkv::SelfAttention modules (heads, grouped heads,
-// RoPE, causal, sliding windows, cross-attention with other widths, biases, W_o, scales), random
-// masks (key lengths, key masks, boolean and float attention masks of every shape, a learned
-// float mask), inputs in strided and expanded views, float64, float32, bfloat16 and float16 (LibTorch 2.x), every
-// backend, one to three threads, over more than one of the tiled kernel's key blocks. Each is
-// compared with a plain float64 implementation written here from the module's documented
-// definition (self_attention.h, masks.h, options.h), not from qkv's code: the output, the weights,
-// and the gradient of the input, the contexts, the learned mask and every parameter; and decoding
-// through the KV cache in random pieces against the same reference's one forward. The core's own
-// differential test (test_backends_agree.cpp) checks the kernels against the math path; this one
-// checks everything around them (projections, head split and join, RoPE, grouped heads, the
-// masks' merging, W_o, autocast) against a reference that shares no code with qkv.
+// RoPE, causal, sliding windows, cross-attention with other widths, biases, W_o, scales), some of
+// them inside a qkv::TransformerBlock (LayerNorms, MLP, residuals, activation checkpointing), with
+// random masks (key lengths, key masks, boolean and float attention masks of every shape, a
+// learned float mask), inputs in strided and expanded views, float64, float32, bfloat16 and
+// float16 (LibTorch 2.x), autocast, every backend, one to three threads, over more than one of the
+// tiled kernel's key blocks. Each is compared with a plain float64 implementation written here from
+// the documented definition (self_attention.h, transformer_block.h, masks.h, options.h), not from
+// qkv's code: the output, the weights, and the gradient of the input, the contexts, the learned
+// mask and every parameter; and decoding through the KV cache in random pieces against the same
+// reference's one forward. The core's own differential test (test_backends_agree.cpp) checks the
+// kernels against the math path; this one checks everything around them (projections, head split
+// and join, RoPE, grouped heads, the masks' merging, W_o, the block, autocast) against a reference
+// that shares no code with qkv. It found checkpointed blocks under autocast giving some weights no
+// gradient (src/checkpoint.cpp).
 //
 // B = batch, H = query heads, Hkv = key/value heads, N = queries, S = keys, E = d_model,
 // D = head width.
@@ -44,6 +47,10 @@ struct ModuleCase {
   bool autocast = false;                    // dtype (bfloat16 or float16) by qkv::AutocastGuard on a float32 module
   AttentionBackend backend = AttentionBackend::Auto;
   int threads = 1;
+  // A qkv::TransformerBlock around the attention (self-attention with W_o and the default scale):
+  // LayerNorm, the MLP of mlp_ratio · E, residuals; with activation checkpointing or without.
+  bool block = false, checkpoint = false;
+  int64_t mlp_ratio = 4;
   uint32_t seed = 0;
 
   std::string describe() const {
@@ -58,7 +65,8 @@ struct ModuleCase {
       << std::vector<const char*>{"none", "bool", "float", "learned float"}[static_cast<size_t>(attn_mask)] << " "
       << c10::IntArrayRef(attn_mask_shape) << " layout " << input_layout << (need_weights ? " need_weights" : "") << " "
       << c10::toString(dtype) << (autocast ? " (autocast)" : "") << " backend " << qkv::to_string(backend)
-      << " threads " << threads;
+      << " threads " << threads
+      << (block ? " in a block, mlp_ratio " + std::to_string(mlp_ratio) + (checkpoint ? ", checkpointed" : "") : "");
     return s.str();
   }
 };
@@ -110,6 +118,8 @@ ModuleCase draw(uint32_t seed) {
   c.backend = std::vector<AttentionBackend>{AttentionBackend::Auto, AttentionBackend::Auto, AttentionBackend::Tiled,
                                             AttentionBackend::Math, AttentionBackend::Fused}[pick(5)];
   c.threads = 1 + static_cast<int>(pick(3));
+  c.block = !c.cross && !c.need_weights && chance(4);
+  if (c.block) c.out_proj = true, c.scale = c10::nullopt, c.mlp_ratio = 1 + pick(4), c.checkpoint = chance(2);
   return c;
 }
 
@@ -267,17 +277,33 @@ std::string check(const ModuleCase& c) {
                      .scale(c.scale)
                      .backend(c.backend);
   if (c.cross) options.kdim(c.kdim).vdim(c.vdim);
-  qkv::SelfAttention module(options);  // may refuse (the fused backend on LibTorch 1.13): the caller skips
+  // Constructors may refuse (the fused backend on LibTorch 1.13): the caller skips the case.
+  qkv::SelfAttention attention{nullptr};
+  qkv::TransformerBlock block{nullptr};
+  if (c.block) {
+    block = qkv::TransformerBlock(qkv::TransformerBlockOptions(E, c.H)
+                                      .num_kv_heads(c.Hkv)
+                                      .rope(c.rope)
+                                      .causal(c.causal)
+                                      .window(c.window)
+                                      .bias(c.bias)
+                                      .mlp_ratio(c.mlp_ratio)
+                                      .checkpoint(c.checkpoint)
+                                      .backend(c.backend));
+  } else {
+    attention = qkv::SelfAttention(options);
+  }
+  torch::nn::Module& module = c.block ? static_cast<torch::nn::Module&>(*block) : *attention;
   const auto storage = c.autocast ? torch::kFloat : c.dtype;  // of the parameters and inputs
-  module->to(storage);
-  module->train();
+  module.to(storage);
+  module.train();
   if (!is_half(c.dtype)) {
     // Weights and biases larger than LibTorch's initial ones: scores of up to about 30, where
     // softmax is far from uniform. bfloat16 and float16 (autocast too) keep the initial ones: a
     // score of 30 holds only 30 · 2^-9 in bfloat16, which moves its weight by 6% in any
     // implementation.
     torch::NoGradGuard no_grad;
-    for (auto& parameter : module->parameters()) parameter.uniform_(-0.6, 0.6);
+    for (auto& parameter : module.parameters()) parameter.uniform_(-0.6, 0.6);
   }
 
   // Inputs in the module's dtype; the reference reads the same numbers in float64.
@@ -316,15 +342,18 @@ std::string check(const ModuleCase& c) {
       // The forward under autocast and the backward after it, as torch.autocast is used.
       std::optional<qkv::AutocastGuard> autocast;
       if (c.autocast) autocast.emplace(torch::kCPU, c.dtype);
-      if (c.cross) {
-        result = module->attend(unbatch(x), unbatch(keys_leaf), unbatch(values_leaf), mask, c.need_weights);
+      if (c.block) {
+        result.output = block->forward(unbatch(x), mask);
+      } else if (c.cross) {
+        result = attention->attend(unbatch(x), unbatch(keys_leaf), unbatch(values_leaf), mask, c.need_weights);
       } else if (c.need_weights) {
-        result = module->forward_with_weights(unbatch(x), {}, mask);
+        result = attention->forward_with_weights(unbatch(x), {}, mask);
       } else {
-        result.output = module->forward(unbatch(x), {}, mask);
+        result.output = attention->forward(unbatch(x), {}, mask);
       }
     }
-    if (result.output.scalar_type() != c.dtype) {  // autocast must have computed in its dtype
+    // autocast must have computed in its dtype (a block's output is float32: x + the branches)
+    if (!c.block && result.output.scalar_type() != c.dtype) {
       return c.describe() + ": output in " + c10::toString(result.output.scalar_type());
     }
     (result.output.to(storage) * unbatch(upstream)).sum().backward();
@@ -333,29 +362,61 @@ std::string check(const ModuleCase& c) {
     tested.grad_x = seen(x_leaf.grad(), c.input_layout);
     if (c.cross) tested.grad_keys = keys_leaf.grad(), tested.grad_values = values_leaf.grad();
     if (attn_mask_leaf.defined() && attn_mask_leaf.requires_grad()) tested.grad_mask = attn_mask_leaf.grad();
-    for (const auto& item : module->named_parameters()) tested.grad_parameters[item.key()] = item.value().grad();
+    for (const auto& item : module.named_parameters()) tested.grad_parameters[item.key()] = item.value().grad();
   }
 
   // The reference, in float64 from the same numbers.
   auto leaf64 = [](const torch::Tensor& t) { return t.detach().to(torch::kDouble).requires_grad_(true); };
-  const auto named = module->named_parameters();
+  // Every parameter as a float64 leaf under the module's own name for it.
+  std::map<std::string, torch::Tensor> leaves;
+  for (const auto& item : module.named_parameters()) leaves[item.key()] = leaf64(item.value());
+  const std::string in = c.block ? "attn." : "";  // where the attention's parameters are
+  auto leaf = [&](const std::string& name) { return leaves.count(name) != 0 ? leaves.at(name) : torch::Tensor(); };
   Parameters p;
-  p.wq = leaf64(named["W_q.weight"]), p.wk = leaf64(named["W_k.weight"]), p.wv = leaf64(named["W_v.weight"]);
-  if (c.bias) p.bq = leaf64(named["W_q.bias"]), p.bk = leaf64(named["W_k.bias"]), p.bv = leaf64(named["W_v.bias"]);
-  if (c.out_proj) {
-    p.wo = leaf64(named["W_o.weight"]);
-    if (c.bias) p.bo = leaf64(named["W_o.bias"]);
-  }
+  p.wq = leaf(in + "W_q.weight"), p.wk = leaf(in + "W_k.weight"), p.wv = leaf(in + "W_v.weight");
+  p.bq = leaf(in + "W_q.bias"), p.bk = leaf(in + "W_k.bias"), p.bv = leaf(in + "W_v.bias");
+  p.wo = leaf(in + "W_o.weight"), p.bo = leaf(in + "W_o.bias");
   const auto x64 = leaf64(x_values);
-  const auto keys64 = c.cross ? leaf64(keys_leaf) : x64, values64 = c.cross ? leaf64(values_leaf) : x64;
+  // The block's first half, written out: x + W_o(attention(LayerNorm(x))).
+  const double eps = 1e-5;  // TransformerBlockOptions' default
+  // LayerNorm's condition: an error δ in its input moves the normalised values by δ / σ, so its
+  // results are known to max |t| / σ times the input's rounding (rows of 2 features that nearly
+  // agree: float32 gradients 3.6e-5 off in any implementation).
+  double layer_norm_condition = 1.0;
+  auto layer_norm = [eps, &layer_norm_condition](const torch::Tensor& t, const torch::Tensor& w,
+                                                 const torch::Tensor& b) {
+    const auto mean = t.mean(-1, true), centred = t - mean;
+    const auto deviation = torch::sqrt(centred.pow(2).mean(-1, true) + eps);
+    layer_norm_condition = std::max(
+        layer_norm_condition, qkv_test::max_abs(std::get<0>(t.detach().abs().max(-1, true)) / deviation.detach()));
+    return centred / deviation * w + b;
+  };
+  const auto attention_input = c.block ? layer_norm(x64, leaf("ln_1.weight"), leaf("ln_1.bias")) : x64;
+  const auto keys64 = c.cross ? leaf64(keys_leaf) : attention_input;
+  const auto values64 = c.cross ? leaf64(values_leaf) : attention_input;
   torch::Tensor mask64;
   if (attn_mask_leaf.defined()) {
     mask64 = attn_mask_leaf.scalar_type() == torch::kBool ? attn_mask_leaf : leaf64(attn_mask_leaf);
   }
   // The reference takes batched masks: an unbatched case's (H, N, S) one is (1, H, N, S).
   const auto batched_mask64 = c.unbatched && mask64.defined() && mask64.dim() == 3 ? mask64.unsqueeze(0) : mask64;
-  const auto expected = reference_forward(c, p, x64, keys64, values64, key_lengths, key_mask, batched_mask64);
-  (expected.output * upstream.to(torch::kDouble)).sum().backward();
+  const auto expected =
+      reference_forward(c, p, attention_input, keys64, values64, key_lengths, key_mask, batched_mask64);
+  auto output64 = expected.output;
+  if (c.block) expected.output.retain_grad();           // what reaches W_o's output through the residual
+  torch::Tensor mlp_hidden, mlp_activation, mlp_input;  // the block's MLP: its first product, GELU, LayerNorm
+  if (c.block) {  // then h + mlp_proj(GELU(mlp_fc(LayerNorm(h)))), h = x + attention, GELU exact
+    const auto h = x64 + expected.output;
+    mlp_input = layer_norm(h, leaf("ln_2.weight"), leaf("ln_2.bias"));
+    mlp_hidden = torch::matmul(mlp_input, leaf("mlp_fc.weight").t());
+    if (c.bias) mlp_hidden = mlp_hidden + leaf("mlp_fc.bias");
+    mlp_hidden.retain_grad();
+    mlp_activation = 0.5 * mlp_hidden * (1.0 + torch::erf(mlp_hidden / std::sqrt(2.0)));
+    auto mlp_out = torch::matmul(mlp_activation, leaf("mlp_proj.weight").t());
+    if (c.bias) mlp_out = mlp_out + leaf("mlp_proj.bias");
+    output64 = h + mlp_out;
+  }
+  (output64 * upstream.to(torch::kDouble)).sum().backward();
 
   // Each result is judged relative to its own size or, for gradients, to the size of the terms
   // of its sum where that is larger: a rounding error is bounded by the terms, not by the sum, and
@@ -370,27 +431,36 @@ std::string check(const ModuleCase& c) {
   };
   const auto dq = expected.projected_q.grad(), dk = expected.projected_k.grad(), dv = expected.projected_v.grad();
   const auto upstream64 = upstream.to(torch::kDouble);
-  std::map<std::string, double> terms{{"W_q.weight", product_terms(dq, x64)},
-                                      {"W_q.bias", qkv_test::max_abs(rows(dq).sum(0))},
-                                      {"W_k.weight", product_terms(dk, keys64)},
-                                      {"W_k.bias", qkv_test::max_abs(rows(dk).sum(0))},
-                                      {"W_v.weight", product_terms(dv, values64)},
-                                      {"W_v.bias", qkv_test::max_abs(rows(dv).sum(0))},
-                                      {"W_o.weight", product_terms(upstream64, expected.joined)},
-                                      {"W_o.bias", qkv_test::max_abs(rows(upstream64).sum(0))}};
+  const auto attention_upstream = c.block ? expected.output.grad() : upstream64;
+  auto bias_terms = [&](const torch::Tensor& d) { return qkv_test::max_abs(rows(d).sum(0)); };
+  std::map<std::string, double> terms{{in + "W_q.weight", product_terms(dq, attention_input)},
+                                      {in + "W_q.bias", bias_terms(dq)},
+                                      {in + "W_k.weight", product_terms(dk, keys64)},
+                                      {in + "W_k.bias", bias_terms(dk)},
+                                      {in + "W_v.weight", product_terms(dv, values64)},
+                                      {in + "W_v.bias", bias_terms(dv)},
+                                      {in + "W_o.weight", product_terms(attention_upstream, expected.joined)},
+                                      {in + "W_o.bias", bias_terms(attention_upstream)}};
+  if (c.block) {  // the LayerNorms' parameters: judged by the largest gradient (below)
+    terms["mlp_fc.weight"] = product_terms(mlp_hidden.grad(), mlp_input);
+    terms["mlp_fc.bias"] = bias_terms(mlp_hidden.grad());
+    terms["mlp_proj.weight"] = product_terms(upstream64, mlp_activation);
+    terms["mlp_proj.bias"] = bias_terms(upstream64);
+  }
   auto input_terms = [&](const torch::Tensor& d, const torch::Tensor& w) {
     return torch::mm(rows(d), w.detach().abs());
   };
+  // x's in a block: its residual path's gradient is upstream itself, judged by the largest gradient
   const auto x_terms =
       c.cross ? input_terms(dq, p.wq) : input_terms(dq, p.wq) + input_terms(dk, p.wk) + input_terms(dv, p.wv);
-  terms["x"] = qkv_test::max_abs(x_terms);
+  terms["x"] = c.block ? 0.0 : qkv_test::max_abs(x_terms);
   terms["keys"] = c.cross ? qkv_test::max_abs(input_terms(dk, p.wk)) : 0.0;
   terms["values"] = c.cross ? qkv_test::max_abs(input_terms(dv, p.wv)) : 0.0;
   double largest_gradient = 0.0;
-  for (const auto& leaf :
-       std::vector<torch::Tensor>{x64, keys64, values64, p.wq, p.bq, p.wk, p.bk, p.wv, p.bv, p.wo, p.bo}) {
-    if (leaf.defined() && leaf.grad().defined())
-      largest_gradient = std::max(largest_gradient, qkv_test::max_abs(leaf.grad()));
+  auto inputs_and_parameters = std::vector<torch::Tensor>{x64, keys64, values64};
+  for (const auto& item : leaves) inputs_and_parameters.push_back(item.second);
+  for (const auto& t : inputs_and_parameters) {
+    if (t.is_leaf() && t.grad().defined()) largest_gradient = std::max(largest_gradient, qkv_test::max_abs(t.grad()));
   }
   const double mask_gradient_scale = qkv_test::max_abs(expected.weights.grad());
 
@@ -403,12 +473,12 @@ std::string check(const ModuleCase& c) {
       return;
     }
     const double tolerance = (c.dtype == torch::kDouble ? 1e-9 : qkv_test::tolerance_for(c.dtype, reduction)) *
-                             std::max(1.0, expected.score_terms);
+                             std::max(1.0, expected.score_terms) * layer_norm_condition;
     const double error = qkv_test::relative_error(actual.to(torch::kDouble), reference.detach(), scale);
     if (!(error <= tolerance)) report << " " << what << ": relative error " << error << " > " << tolerance << ";";
   };
   const int64_t longest = std::max({c.N, c.S, E, c.kdim, c.vdim}) * B;
-  compare("output", tested.output, expected.output, longest);
+  compare("output", tested.output, output64, longest);
   if (c.need_weights) compare("weights", tested.weights, expected.weights, longest);
   // layout 3's leaf is one batch element expanded over B: its gradient is the sum over B
   compare("grad x", tested.grad_x, c.input_layout == 3 ? x64.grad().sum(0, true) : x64.grad(), longest,
@@ -420,13 +490,9 @@ std::string check(const ModuleCase& c) {
   if (c.attn_mask == ModuleCase::AttnMask::LearnedFloat) {
     compare("grad mask", tested.grad_mask, mask64.grad(), longest, mask_gradient_scale);
   }
-  const std::map<std::string, torch::Tensor> reference_grads{
-      {"W_q.weight", p.wq}, {"W_q.bias", p.bq}, {"W_k.weight", p.wk}, {"W_k.bias", p.bk},
-      {"W_v.weight", p.wv}, {"W_v.bias", p.bv}, {"W_o.weight", p.wo}, {"W_o.bias", p.bo}};
   for (const auto& [name, grad] : tested.grad_parameters) {
-    const auto& leaf = reference_grads.at(name);
-    compare("grad " + name, grad, leaf.defined() ? leaf.grad() : torch::Tensor(), longest,
-            std::max(largest_gradient, terms.at(name)));
+    compare("grad " + name, grad, leaves.at(name).grad(), longest,
+            std::max(largest_gradient, terms.count(name) != 0 ? terms.at(name) : 0.0));
   }
   return report.str().empty() ? "" : c.describe() + ":" + report.str();
 }

@@ -21,8 +21,12 @@ using CheckpointedFunction = std::function<torch::Tensor(const std::vector<torch
 /// The second run replays the first one's random draws: the CPU generator's state (dropout masks,
 /// the tiled kernel's dropout seed) and that of the inputs' device are saved before the first run,
 /// set for the second, and restored after it; so is the autocast state (the second run computes
-/// in the precision the first one did). `function` must otherwise compute the same thing
-/// twice (no state it changes, e.g. a BatchNorm's running statistics).
+/// in the precision the first one did). Neither run uses or fills autocast's cache of weight
+/// casts: a cast made in the first run, without autograd, would cut the weight it stands for off
+/// from its gradient wherever it was reused. `function` must otherwise compute the same thing
+/// twice (no state it changes, e.g. a BatchNorm's running statistics). In bfloat16 or float16 the
+/// output and gradients are the plain function's up to rounding, not bit for bit, where the
+/// function rounds differently without a backward to follow (qkv's tiled attention does).
 ///
 /// Without grad mode, or when nothing requires grad, it is `function(inputs)`. Works with
 /// torch::autograd::grad and backward, and with create_graph (the second run is then kept).
