@@ -260,7 +260,7 @@ TEST(ActivationCheckpointing, GradientsAreBitIdenticalToThePlainBlockWithDropout
 // gradient. LibTorch's autocast caches its casts of the weights (Apex's heuristic); a cast made by
 // a checkpoint's forward, which runs without autograd, has no history, and the recomputation that
 // reused it gave the weights it stood for no gradient at all (W_k's bias at 7 positions; found by
-// ModuleAgrees, 2026-12-04). Equal within bfloat16's rounding, not bit for bit: without a backward
+// ModuleAgrees, 2026-12-05). Equal within bfloat16's rounding, not bit for bit: without a backward
 // to follow, the tiled kernel's forward rounds differently (it keeps no probabilities), and the
 // nested checkpoints' recomputation feeds the MLP that forward's output.
 TEST(ActivationCheckpointing, UnderAutocastEveryParameterGetsThePlainBlocksGradient) {
