@@ -538,7 +538,7 @@ TEST(ModuleAgrees, RandomModulesMasksLayoutsAndDtypesAgainstAPlainReference) {
 // pieces of 1 to 4, or long chunks) through forward_with_cache, plain and rolling caches (a
 // window below the capacity), against the plain reference's one forward over the whole sequence:
 // positions past the tiled kernel's 256-key blocks, grouped heads, RoPE at the cache's offsets,
-// float64, float32 and bfloat16, 1 to 3 threads, every backend.
+// float64, float32, bfloat16 and bfloat16 autocast, 1 to 3 threads, every backend.
 std::string check_decoding(uint32_t seed) {
   std::mt19937 random(seed);
   auto pick = [&](int64_t n) { return std::uniform_int_distribution<int64_t>(0, n - 1)(random); };
@@ -567,6 +567,7 @@ std::string check_decoding(uint32_t seed) {
   }
   // A capacity up to 100 past the length: with a window a rolling cache of W slots where W < capacity.
   const int64_t capacity = c.N + pick(c.window ? 100 : 3);
+  c.autocast = c.dtype == torch::kBFloat16 && pick(2) == 0;  // a float32 module decoding under autocast
   const auto what =
       c.describe() + ", " + std::to_string(pieces.size()) + " pieces, capacity " + std::to_string(capacity);
 
@@ -580,13 +581,16 @@ std::string check_decoding(uint32_t seed) {
                                 .causal(true)
                                 .window(c.window)
                                 .backend(c.backend));
-  module->to(c.dtype);
+  const auto storage = c.autocast ? torch::kFloat : c.dtype;  // of the parameters, the input and the cache
+  module->to(storage);
   module->eval();
   torch::NoGradGuard no_grad;
-  const auto x = torch::randn({c.B, c.N, c.H * c.D}).to(c.dtype);
+  const auto x = torch::randn({c.B, c.N, c.H * c.D}).to(storage);
   torch::Tensor decoded;
   {
     const ThreadCount threads(c.threads);
+    std::optional<qkv::AutocastGuard> autocast;
+    if (c.autocast) autocast.emplace(torch::kCPU, torch::kBFloat16);
     auto cache = module->make_cache(c.B, capacity);
     if (cache.rolling() != (c.window && *c.window < capacity))
       return what + ": rolling " + std::to_string(cache.rolling());
@@ -597,6 +601,8 @@ std::string check_decoding(uint32_t seed) {
       at += count;
     }
     decoded = torch::cat(outputs, 1);
+    if (decoded.scalar_type() != c.dtype)
+      return what + ": decoded in " + std::string(c10::toString(decoded.scalar_type()));
   }
 
   const auto named = module->named_parameters();
