@@ -69,8 +69,7 @@ TEST(BackendsAgree, OneQueryRowOfGroupedHeads) {
 // dtype, 64 cases, against the math path in float64 (6000 seeds of it passed on each of LibTorch
 // 1.13, 2.6 and 2.14 on 2026-12-04; on 2.6 once the fused backend widened heads of width 1, below).
 TEST(BackendsAgree, SeveralKeyBlocksOnSeveralThreads) {
-  const int previous_threads = at::get_num_threads();
-  at::set_num_threads(3);
+  const qkv_test::ThreadCount threads(3);
   EXPECT_EQ(failed_draws(20000, 20064,
                          [](qkv_test::Chooser& chooser, uint32_t) {
                            return qkv_test::draw_case(chooser, /*max_positions=*/600, [&](AttentionCase& drawn) {
@@ -82,7 +81,6 @@ TEST(BackendsAgree, SeveralKeyBlocksOnSeveralThreads) {
                            });
                          }),
             0);
-  at::set_num_threads(previous_threads);
 }
 
 // float16, which the draws above leave out (their dtypes are fixed by the fuzzer's saved inputs,

@@ -210,6 +210,13 @@ int64_t graph_nodes(const torch::Tensor& t) {
   return static_cast<int64_t>(seen.size());
 }
 
+// `to` takes `from`'s parameters (two blocks of the same options, checkpointed or not).
+void copy_parameters(const qkv::TransformerBlockImpl& from, qkv::TransformerBlockImpl& to) {
+  std::map<std::string, torch::Tensor> weights;
+  for (const auto& item : from.named_parameters()) weights[item.key()] = item.value().detach();
+  qkv::load_state_dict(to, weights, "plain block");
+}
+
 // The checkpointed block's gradients are bit-identical to the plain block's in float64 with
 // dropout on (the recomputation replays the forward's dropout masks), for the input, every
 // parameter and a learned float mask.
@@ -224,11 +231,7 @@ TEST(ActivationCheckpointing, GradientsAreBitIdenticalToThePlainBlockWithDropout
     qkv::TransformerBlock plain(options);
     qkv::TransformerBlock checkpointed(options.checkpoint(true));
     plain->to(torch::kDouble), checkpointed->to(torch::kDouble);
-    qkv::load_state_dict(*checkpointed, [&] {
-      std::map<std::string, torch::Tensor> weights;
-      for (const auto& item : plain->named_parameters()) weights[item.key()] = item.value().detach();
-      return weights;
-    }(), "plain block");
+    copy_parameters(*plain, *checkpointed);
     const auto x = torch::randn({2, N, 32}, torch::kDouble), upstream = torch::randn({2, N, 32}, torch::kDouble);
     const auto bias = torch::randn({N, N}, torch::kDouble);
     auto run_block = [&](qkv::TransformerBlock& block, int64_t* nodes) {
@@ -271,11 +274,7 @@ TEST(ActivationCheckpointing, UnderAutocastEveryParameterGetsThePlainBlocksGradi
       torch::manual_seed(33);
       qkv::TransformerBlock plain(options);
       qkv::TransformerBlock checkpointed(options.checkpoint(true));
-      qkv::load_state_dict(*checkpointed, [&] {
-        std::map<std::string, torch::Tensor> weights;
-        for (const auto& item : plain->named_parameters()) weights[item.key()] = item.value().detach();
-        return weights;
-      }(), "plain block");
+      copy_parameters(*plain, *checkpointed);
       const auto x = torch::randn({2, N, 16}), upstream = torch::randn({2, N, 16});
       auto run_block = [&](qkv::TransformerBlock& block) {
         auto input = x.clone().requires_grad_(true);

@@ -31,6 +31,7 @@
 namespace module_agrees {
 
 using qkv::AttentionBackend;
+using qkv_test::ThreadCount;
 
 struct ModuleCase {
   int64_t B = 1, H = 1, Hkv = 1, D = 1, N = 1, S = 1;
@@ -129,6 +130,30 @@ struct Parameters {  // float64 leaves
   torch::Tensor wq, bq, wk, bk, wv, bv, wo, bo;
 };
 
+// A module's parameters in float64 under its own names for them: leaves that require grad
+// (`leaves`), or plain copies.
+std::map<std::string, torch::Tensor> float64_parameters(const torch::nn::Module& module, bool leaves) {
+  std::map<std::string, torch::Tensor> copies;
+  for (const auto& item : module.named_parameters()) {
+    copies[item.key()] = item.value().detach().to(torch::kDouble).requires_grad_(leaves);
+  }
+  return copies;
+}
+
+// The attention's parameters among `all` (those a block holds under "attn."); undefined where the
+// module has none (no biases, no W_o).
+Parameters attention_parameters(const std::map<std::string, torch::Tensor>& all, const std::string& prefix) {
+  auto get = [&](const std::string& name) {
+    const auto found = all.find(prefix + name);
+    return found != all.end() ? found->second : torch::Tensor();
+  };
+  Parameters p;
+  p.wq = get("W_q.weight"), p.wk = get("W_k.weight"), p.wv = get("W_v.weight");
+  p.bq = get("W_q.bias"), p.bk = get("W_k.bias"), p.bv = get("W_v.bias");
+  p.wo = get("W_o.weight"), p.bo = get("W_o.bias");
+  return p;
+}
+
 // Half-split RoPE ("rotate_half") of t (..., P, D) at positions 0 .. P-1: the pairs (x[i],
 // x[i + D/2]) turned by position · base^(-2i/D).
 torch::Tensor rotated(const torch::Tensor& t, double base) {
@@ -215,18 +240,6 @@ Reference reference_forward(const ModuleCase& c, const Parameters& p, const torc
 }
 
 // ---- Running a case ----
-
-// LibTorch's intra-op threads set to `count` for a scope, and set back after it.
-class ThreadCount {
- public:
-  explicit ThreadCount(int count) : previous_(at::get_num_threads()) { at::set_num_threads(count); }
-  ~ThreadCount() { at::set_num_threads(previous_); }
-  ThreadCount(const ThreadCount&) = delete;
-  ThreadCount& operator=(const ThreadCount&) = delete;
-
- private:
-  int previous_;
-};
 
 struct Outcome {
   torch::Tensor output, weights, grad_x, grad_keys, grad_values, grad_mask;
@@ -367,15 +380,10 @@ std::string check(const ModuleCase& c) {
 
   // The reference, in float64 from the same numbers.
   auto leaf64 = [](const torch::Tensor& t) { return t.detach().to(torch::kDouble).requires_grad_(true); };
-  // Every parameter as a float64 leaf under the module's own name for it.
-  std::map<std::string, torch::Tensor> leaves;
-  for (const auto& item : module.named_parameters()) leaves[item.key()] = leaf64(item.value());
+  const auto leaves = float64_parameters(module, /*leaves=*/true);
   const std::string in = c.block ? "attn." : "";  // where the attention's parameters are
+  const auto p = attention_parameters(leaves, in);
   auto leaf = [&](const std::string& name) { return leaves.count(name) != 0 ? leaves.at(name) : torch::Tensor(); };
-  Parameters p;
-  p.wq = leaf(in + "W_q.weight"), p.wk = leaf(in + "W_k.weight"), p.wv = leaf(in + "W_v.weight");
-  p.bq = leaf(in + "W_q.bias"), p.bk = leaf(in + "W_k.bias"), p.bv = leaf(in + "W_v.bias");
-  p.wo = leaf(in + "W_o.weight"), p.bo = leaf(in + "W_o.bias");
   const auto x64 = leaf64(x_values);
   // The block's first half, written out: x + W_o(attention(LayerNorm(x))).
   const double eps = 1e-5;  // TransformerBlockOptions' default
@@ -605,15 +613,7 @@ std::string check_decoding(uint32_t seed) {
       return what + ": decoded in " + std::string(c10::toString(decoded.scalar_type()));
   }
 
-  const auto named = module->named_parameters();
-  auto float64 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kDouble) : t; };
-  Parameters p;
-  p.wq = float64(named["W_q.weight"]), p.wk = float64(named["W_k.weight"]), p.wv = float64(named["W_v.weight"]);
-  if (c.bias) p.bq = float64(named["W_q.bias"]), p.bk = float64(named["W_k.bias"]), p.bv = float64(named["W_v.bias"]);
-  if (c.out_proj) {
-    p.wo = float64(named["W_o.weight"]);
-    if (c.bias) p.bo = float64(named["W_o.bias"]);
-  }
+  const auto p = attention_parameters(float64_parameters(*module, /*leaves=*/false), "");
   const auto x64 = x.to(torch::kDouble);
   const auto expected = reference_forward(c, p, x64, x64, x64, {}, {}, {});
   const double tolerance =

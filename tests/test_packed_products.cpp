@@ -22,6 +22,7 @@
 
 namespace {
 
+using qkv::kernels::kRowStatistics;
 using qkv::kernels::tiled::detected_isa;
 using qkv::kernels::tiled::isa_name;
 using qkv::kernels::tiled::PackedRight;
@@ -571,7 +572,8 @@ TEST(RowOperations, SoftmaxBackwardBlockFillsPairPanelsAsFloat64) {
                        std::to_string(n) + ", mode " + std::to_string(mode));
           const int64_t stride = n + 3, depth = (rows + 1) / 2 + 2;
           const float factor = 0.35f, keep_scale = 1.25f;
-          std::vector<float> scores(rows * stride), grad_p(rows * stride), statistics(2 * rows), delta(rows);
+          std::vector<float> scores(rows * stride), grad_p(rows * stride), delta(rows);
+          std::vector<float> statistics(kRowStatistics * rows);
           std::vector<uint8_t> keep(rows * stride);
           for (int64_t i = 0; i < rows * stride; ++i) {
             scores[i] = kept_p ? std::uniform_real_distribution<float>(0.0f, 0.2f)(random)
@@ -580,20 +582,20 @@ TEST(RowOperations, SoftmaxBackwardBlockFillsPairPanelsAsFloat64) {
             keep[i] = std::bernoulli_distribution(0.8)(random) ? 1 : 0;
           }
           for (int64_t r = 0; r < rows; ++r) {
-            statistics[2 * r] = std::uniform_real_distribution<float>(-1.0f, 2.0f)(random);                // m
-            statistics[2 * r + 1] = std::uniform_real_distribution<float>(0.0f, 3.0f)(random);            // log l
+            statistics[kRowStatistics * r] = std::uniform_real_distribution<float>(-1.0f, 2.0f)(random);      // m
+            statistics[kRowStatistics * r + 1] = std::uniform_real_distribution<float>(0.0f, 3.0f)(random);  // log l
             delta[r] = draw<float>(random);
           }
           const bool dead_row = !kept_p && rows > 2;  // row 1 attends to nothing
-          if (dead_row) statistics[2] = inf;
+          if (dead_row) statistics[kRowStatistics * 1] = inf;
           const bool masked_row = !kept_p && rows > 3;  // row 2: a finite mask over all of it
           if (masked_row) {
             // A power of two, so that factor · S is exact in float32 and m = factor · S exactly: the
             // forward's n exponentials are each exp(0), l = n. m + log l (about -3.8e8 + 3) would
             // round to m.
             for (int64_t j = 0; j < n; ++j) scores[2 * stride + j] = -0x1p30f;
-            statistics[4] = factor * -0x1p30f;
-            statistics[5] = static_cast<float>(std::log(static_cast<double>(n)));
+            statistics[kRowStatistics * 2] = factor * -0x1p30f;
+            statistics[kRowStatistics * 2 + 1] = static_cast<float>(std::log(static_cast<double>(n)));
           }
           const bool with_nan = rows == 5 && n == 17;
           if (with_nan) scores[0 * stride + 3] = std::numeric_limits<float>::quiet_NaN();
@@ -630,7 +632,7 @@ TEST(RowOperations, SoftmaxBackwardBlockFillsPairPanelsAsFloat64) {
                 }
                 const int64_t at = r * stride + j;
                 // factor · S - m first (exactly 0 for the -2^30 row; m + log l formed first would lose log l).
-                const double m = statistics[2 * r], log_sum = statistics[2 * r + 1];
+                const double m = statistics[kRowStatistics * r], log_sum = statistics[kRowStatistics * r + 1];
                 const double difference = double(factor) * scores[at] - m;
                 const double probability = kept_p ? double(scores[at]) : m == inf ? 0.0 : std::exp(difference - log_sum);
                 const bool kept = !dropout || keep[at] != 0;

@@ -50,6 +50,19 @@ class Fixture {
 ::testing::AssertionResult tensors_close(const torch::Tensor& actual, const torch::Tensor& expected, double tolerance,
                                          double scale = 0.0);
 
+/// LibTorch's intra-op threads set to `count` for a scope and set back after it, a failed
+/// assertion's early return included.
+class ThreadCount {
+ public:
+  explicit ThreadCount(int count) : previous_(at::get_num_threads()) { at::set_num_threads(count); }
+  ~ThreadCount() { at::set_num_threads(previous_); }
+  ThreadCount(const ThreadCount&) = delete;
+  ThreadCount& operator=(const ThreadCount&) = delete;
+
+ private:
+  int previous_;
+};
+
 /// What AttentionBackend::Auto runs on the CPU for float32 inputs without weights, as documented:
 /// the tiled kernel (float32 runs on its own micro-kernels, BLAS or not).
 qkv::AttentionBackend default_cpu_backend();

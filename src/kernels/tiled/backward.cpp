@@ -139,7 +139,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
           GradScoresBlock block;
           block.rows = rows, block.n = seen;
           block.scores = scores, block.scores_stride = scores_stride;
-          block.row_statistics = exponentiate ? row_statistics + ((b * p.H + h) * p.N + i0) * kRowStatistics : nullptr;
+          block.row_statistics = exponentiate ? statistics_of_row(row_statistics, p, b, h, i0) : nullptr;
           block.factor = factor;
           block.grad_probabilities = grad_probabilities.data(), block.grad_probabilities_stride = kScoresStride;
           block.delta = delta.data() + g * p.N + i0;
@@ -246,7 +246,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
                 }
               }
               for (int64_t r = 0; r < rows; ++r) {
-                const acc_t* statistics = row_statistics + ((b * p.H + h) * p.N + i0 + r) * kRowStatistics;
+                const acc_t* statistics = statistics_of_row(row_statistics, p, b, h, i0 + r);
                 acc_t* row = recomputed.data() + r * kScoresStride;
                 if (statistics[0] == std::numeric_limits<acc_t>::infinity()) {  // a row with no key: P = 0
                   std::fill(row, row + seen, acc_t(0));

@@ -197,7 +197,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
       for (int64_t r = 0; r < rows; ++r) {
         const bool dead = row_sum[r] == acc_t(0);
         inverse_sum[r] = dead ? acc_t(0) : acc_t(1) / row_sum[r];
-        acc_t* statistics = row_statistics + ((b * p.H + h) * p.N + i0 + r) * kRowStatistics;
+        acc_t* statistics = statistics_of_row(row_statistics, p, b, h, i0 + r);
         statistics[0] = dead ? std::numeric_limits<acc_t>::infinity() : row_max[r];
         statistics[1] = dead ? acc_t(0) : std::log(row_sum[r]);
       }

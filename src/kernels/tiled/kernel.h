@@ -6,6 +6,7 @@
 #pragma once
 
 #include "kernels/tiled/dropout.h"
+#include "kernels/tiled/vector_math.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -153,15 +154,21 @@ bool keeps_probabilities(const Problem<acc_t>& p) {
 }
 
 /// The softmax statistics of each row, from which the backward recomputes P = exp((factor · S - m)
-/// - log l): kRowStatistics values a row, (B, H, N, 2) contiguous: m, the shift the forward's
-/// exponentials took (the row's largest scaled score; with bfloat16 weights possibly the largest of
+/// - log l): kRowStatistics values a row (vector_math.h), (B, H, N, 2) contiguous: m, the shift
+/// the forward's exponentials took (the row's largest scaled score; with bfloat16 weights possibly the largest of
 /// the blocks before, forward.cpp), and log l, of the sum of those exponentials; m = +inf for a row
 /// with no key. Not one log-sum-exp L = m + log l: where the scores are huge in magnitude, as in a
 /// row that a finite mask (-1e9, or the dtype's lowest value) covers entirely, m + log l rounds to
 /// m, and exp(S - L) came out l times too large (P = 1 for every key of such a row: gradients off by
 /// a factor of S; found by the differential test, 2026-12-04). Forming factor · S - m first, by the
 /// same fused multiply-add in both passes, gives such a row's scores exactly exp(0) in both.
-constexpr int64_t kRowStatistics = 2;  // m, log l
+using kernels::kRowStatistics;
+
+/// Where row i of head (b, h) has its statistics within `row_statistics`.
+template <typename acc_t, typename T>
+T* statistics_of_row(T* row_statistics, const Problem<acc_t>& p, int64_t b, int64_t h, int64_t i) {
+  return row_statistics + ((b * p.H + h) * p.N + i) * kRowStatistics;
+}
 
 /// Forward: out (B, H, N, Dv) and the rows' statistics (kRowStatistics); where `probabilities` is
 /// not null (keeps_probabilities), also P (B, H, N, S) contiguous, before dropout, 0 for masked

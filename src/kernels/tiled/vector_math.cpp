@@ -372,7 +372,7 @@ QKV_TARGET_BF16 inline void block_row_step(const BlockRow& row, int64_t j0, __mm
 }
 
 QKV_TARGET_BF16 inline BlockRow block_row(const GradScoresBlock& g, int64_t r, bool present) {
-  const float* statistics = g.row_statistics != nullptr ? g.row_statistics + 2 * r : nullptr;
+  const float* statistics = g.row_statistics != nullptr ? g.row_statistics + kRowStatistics * r : nullptr;
   const bool dead = statistics != nullptr && statistics[0] == std::numeric_limits<float>::infinity();
   const bool exponentiated = statistics != nullptr && !dead;
   return BlockRow{g.scores + r * g.scores_stride,
@@ -539,7 +539,8 @@ void softmax_backward_block_portable(const GradScoresBlock& g) {
     float* p = weights.data() + r * g.n;
     std::copy(g.scores + r * g.scores_stride, g.scores + r * g.scores_stride + g.n, p);
     if (g.row_statistics != nullptr) {
-      const float row_max = g.row_statistics[2 * r], log_sum = g.row_statistics[2 * r + 1];
+      const float* statistics = g.row_statistics + kRowStatistics * r;
+      const float row_max = statistics[0], log_sum = statistics[1];
       if (row_max == std::numeric_limits<float>::infinity()) {
         std::fill(p, p + g.n, 0.0f);
       } else {

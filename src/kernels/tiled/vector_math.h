@@ -59,6 +59,9 @@ struct PairPanels {
   int64_t width = 0, depth = 0;
 };
 
+/// Values of each row's softmax statistics, m then log l (what they are: kernel.h).
+constexpr int64_t kRowStatistics = 2;
+
 /// One block of the backward whose products multiply bfloat16 (`rows` query rows × `n` keys), in
 /// one pass: the probabilities P = exp((factor · S - m) - log l) (or P itself where the forward kept it),
 /// dropout's kept pairs, dS = P ⊙ (dP - D), and what the block's three products take next, rounded
@@ -69,7 +72,7 @@ struct GradScoresBlock {
   int64_t rows = 0, n = 0;
   const float* scores = nullptr;  // S, unscaled by `factor` (P itself where row_statistics is null)
   int64_t scores_stride = 0;
-  const float* row_statistics = nullptr;  // (m, log l) of each row (kernel.h); m = +inf: a row with no key, P = 0
+  const float* row_statistics = nullptr;  // kRowStatistics of each row; m = +inf: a row with no key, P = 0
   float factor = 1;
   const float* grad_probabilities = nullptr;  // dP = dO Vᵀ
   int64_t grad_probabilities_stride = 0;
