@@ -12,6 +12,7 @@
 #include "linear.h"
 
 #include "support/compare.h"
+#include "support/fixtures.h"
 
 #include <qkv/functional.h>
 #include <qkv/precision.h>
@@ -570,8 +571,7 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
   torch::manual_seed(21);
   // Two threads at least, whatever LibTorch's default (one on some machines): the products split
   // among them.
-  const int threads_before = at::get_num_threads();
-  at::set_num_threads(std::max(threads_before, 2));
+  const qkv_test::ThreadCount thread_count(std::max(at::get_num_threads(), 2));
   const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
   struct Shape {
     int64_t m, k, n;
@@ -616,7 +616,6 @@ TEST(Linear, Bfloat16ProductsIgnoreWhatTheirScratchHeld) {
       EXPECT_LT(relative_error(c.to(torch::kDouble), want_gradient), 1e-5);
     }
   }
-  at::set_num_threads(threads_before);
 }
 
 TEST(Linear, Float32ProductsOnMicroKernelsMatchFloat64) {
@@ -629,7 +628,7 @@ TEST(Linear, Float32ProductsOnMicroKernelsMatchFloat64) {
   struct Shape {
     int64_t m, k, n;
   };
-  const int threads_before = at::get_num_threads();
+  const qkv_test::ThreadCount restore_thread_count(at::get_num_threads());  // the loop sets its own
   std::map<std::string, torch::Tensor> on_one_thread;
   for (const int threads : {1, 2, 3}) {
     at::set_num_threads(threads);
@@ -678,7 +677,6 @@ TEST(Linear, Float32ProductsOnMicroKernelsMatchFloat64) {
       }
     }
   }
-  at::set_num_threads(threads_before);
 }
 
 TEST(Linear, Bfloat16GradientsInOnePassMatchFloat64) {
@@ -694,8 +692,7 @@ TEST(Linear, Bfloat16GradientsInOnePassMatchFloat64) {
                   << OneDnnGemm::instance().float32_unavailable_because();
   }
   torch::manual_seed(22);
-  const int threads_before = at::get_num_threads();
-  at::set_num_threads(std::max(threads_before, 2));  // the one-group products split among them
+  const qkv_test::ThreadCount thread_count(std::max(at::get_num_threads(), 2));  // the one-group products split among them
   const int64_t N = 384, K = 128;
   // 2100 rows: three groups of the sum, one pass; 700 and 200: one group, each gradient a product
   // of its own split among the threads (dx by rows at 700, by columns at 200)
@@ -741,7 +738,6 @@ TEST(Linear, Bfloat16GradientsInOnePassMatchFloat64) {
     EXPECT_THROW(linear_gradients_widened(grad, x.narrow(0, 0, M - 1), {w, false, K}, true, false, true, false),
                  c10::Error);
   }
-  at::set_num_threads(threads_before);
 
   // Through the layer under autocast: an input that requires no grad, a frozen weight.
   if (qkv::detail::bfloat16_products() != qkv::detail::Bfloat16Products::Float32) return;

@@ -223,7 +223,7 @@ TEST(Tiled, NaNInputsGiveNaNWhereTheMathPathGivesNaN) {
 // against float64 math, with every
 // gradient (the backward's probabilities come from the forward's log-sum-exp), on one thread and two.
 TEST(Tiled, BFloat16ForwardShiftsLaterBlocksByTheRowMaximumSoFar) {
-  const int previous_threads = at::get_num_threads();
+  const qkv_test::ThreadCount restore_thread_count(at::get_num_threads());  // the loop sets its own
   torch::manual_seed(45);
   const int64_t N = 96, S = 800, D = 16;  // four key blocks, the last one partial
   const auto q = torch::randn({1, 2, N, D}, torch::kDouble), k = torch::randn({1, 2, S, D}, torch::kDouble);
@@ -250,7 +250,6 @@ TEST(Tiled, BFloat16ForwardShiftsLaterBlocksByTheRowMaximumSoFar) {
     expect_same(tiled, math, tolerance, "rising and falling blocks");
     EXPECT_TRUE(qkv_test::tensors_close(tiled_bias_grad, math_bias_grad, tolerance)) << "the mask's gradient";
   }
-  at::set_num_threads(previous_threads);
 }
 
 TEST(Tiled, BFloat16MatchesFloat64Math) {
@@ -280,8 +279,7 @@ TEST(Tiled, BFloat16MatchesFloat64Math) {
 // the learned mask's included, against the math path in float64, causal (uneven work per key
 // block), windowed, with key lengths, GQA, bfloat16, and dropout with the kernel's mask.
 TEST(Tiled, BackwardSplitOverKeysMatchesTheMathPath) {
-  const int previous_threads = at::get_num_threads();
-  at::set_num_threads(std::max(previous_threads, 2));
+  const qkv_test::ThreadCount thread_count(std::max(at::get_num_threads(), 2));
   torch::manual_seed(21);
   const int64_t N = 300, S = 700, D = 16;  // 3 key blocks; about 13 MFLOP: worth splitting
   struct Variant {
@@ -330,7 +328,6 @@ TEST(Tiled, BackwardSplitOverKeysMatchesTheMathPath) {
         q, k, v, upstream, qkv::ScaledDotProductAttentionOptions().causal(true), p, seed);
     expect_same(tiled, reference, 1e-10, "dropout, keys split");
   }
-  at::set_num_threads(previous_threads);
 }
 
 // Up to one key block (S <= Bc) and within a budget the forward keeps the probabilities for the
@@ -469,8 +466,7 @@ TEST(Tiled, KeptProbabilitiesAreWrittenWholeOverAnyBuffer) {
 // a window, grouped heads, a learned mask's gradient, and dropout with the kernel's own mask,
 // against float64 math.
 TEST(Tiled, BFloat16BackwardOverManyBlocksMatchesTheMathPath) {
-  const int previous_threads = at::get_num_threads();
-  at::set_num_threads(1);
+  const qkv_test::ThreadCount thread_count(1);
   struct Variant {
     std::string name;
     int64_t H, Hkv, N;
@@ -507,7 +503,6 @@ TEST(Tiled, BFloat16BackwardOverManyBlocksMatchesTheMathPath) {
       EXPECT_TRUE(qkv_test::tensors_close(tiled_bias_grad, math_bias_grad, tolerance)) << "the mask's gradient";
     }
   }
-  at::set_num_threads(previous_threads);
 }
 
 // The output and the gradients come in the layout of the operand they belong to: from (B, N, H, D)
@@ -720,7 +715,7 @@ TEST(Tiled, ParityFixturesWithTheTiledBackend) {
 // The kernel's tasks go to threads as they become free (task_queue.h): every task runs exactly
 // once, whatever the thread count and chunk size, the calling thread's share included.
 TEST(Tiled, EveryTaskRunsExactlyOnce) {
-  const int previous_threads = at::get_num_threads();
+  const qkv_test::ThreadCount restore_thread_count(at::get_num_threads());  // the loop sets its own
   for (const int threads : {1, 2, 5}) {
     at::set_num_threads(threads);
     for (const int64_t tasks : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000}}) {
@@ -741,15 +736,13 @@ TEST(Tiled, EveryTaskRunsExactlyOnce) {
       }
     }
   }
-  at::set_num_threads(previous_threads);
 }
 
 // Which thread runs which task changes from call to call; the results must not: five calls with
 // more threads than cores (so that the threads' shares vary most), causal with grouped heads and a
 // learned mask, equal bit for bit, and equal to float64 math.
 TEST(Tiled, ResultsDoNotDependOnWhichThreadRanATask) {
-  const int previous_threads = at::get_num_threads();
-  at::set_num_threads(4);
+  const qkv_test::ThreadCount thread_count(4);
   torch::manual_seed(5);
   const int64_t B = 2, H = 4, Hkv = 2, N = 200, S = 300, D = 16;
   const auto q = torch::randn({B, H, N, D}, torch::kDouble), k = torch::randn({B, Hkv, S, D}, torch::kDouble);
@@ -775,7 +768,6 @@ TEST(Tiled, ResultsDoNotDependOnWhichThreadRanATask) {
     expect_same(first, math, tolerance, "against float64 math");
     EXPECT_TRUE(qkv_test::tensors_close(first_bias_grad.to(torch::kDouble), math_bias_grad, tolerance));
   }
-  at::set_num_threads(previous_threads);
 }
 
 TEST(Tiled, RefusesWhatItCannotDo) {
