@@ -414,6 +414,45 @@ TEST(RowOperations, ExponentialsRoundedToBFloat16) {
   }
 }
 
+// exp_shifted_sum_for_bf16 keeps in float32 the exponentials exp_shifted_sum_to_bf16 rounds: each
+// rounds (nearest even, as the bfloat16 products round a float32 operand) to exactly the bits the
+// latter writes, and the two sums are the same float (the tiled forward's output must not depend on
+// which of the two a block took: Tiled.BFloat16ForwardIsTheSameWhetherABackwardFollowsOrNot).
+// Every tail length of a 16-lane vector, -inf and NaN among the scores, the largest exponent the
+// forward's shift allows.
+TEST(RowOperations, ExponentialsKeptInFloat32RoundToTheBFloat16Ones) {
+  std::mt19937 random(6);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t n = 1; n <= 40; ++n) {
+    for (const bool with_nan : {false, true}) {
+      std::vector<float> x(n);
+      for (auto& value : x) value = std::uniform_real_distribution<float>(-150.0f, 13.0f)(random);
+      if (n > 2) x[1] = -inf;
+      if (with_nan) x[static_cast<size_t>(n - 1)] = std::numeric_limits<float>::quiet_NaN();
+      std::vector<uint16_t> bits(n, 0xFFFF);
+      const float factor = 0.7f, shift = 1.5f;
+      const float rounded_sum = qkv::kernels::exp_shifted_sum_to_bf16(x.data(), n, factor, shift, bits.data());
+      auto kept = x;
+      const float kept_sum = qkv::kernels::exp_shifted_sum_for_bf16(kept.data(), n, factor, shift);
+      if (with_nan) {
+        EXPECT_TRUE(std::isnan(rounded_sum) && std::isnan(kept_sum)) << "n = " << n;
+      } else {
+        EXPECT_EQ(kept_sum, rounded_sum) << "n = " << n;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const c10::BFloat16 rounded(kept[i]);  // nearest even; a NaN stays NaN
+        if (std::isnan(kept[i])) {
+          EXPECT_EQ(bits[i] & 0x7F80u, 0x7F80u) << "NaN at " << i;
+          EXPECT_NE(bits[i] & 0x007Fu, 0u) << "NaN at " << i;
+          continue;
+        }
+        EXPECT_EQ(rounded.x, bits[i]) << "x = " << x[i] << " at " << i << " of " << n << ": float32 " << kept[i];
+        EXPECT_TRUE(kept[i] == 0.0f || std::fpclassify(kept[i]) == FP_NORMAL) << "a subnormal exponential at " << i;
+      }
+    }
+  }
+}
+
 TEST(RowOperations, MaxOfLetsANaNWin) {
   std::mt19937 random(4);
   for (int64_t n : {1, 7, 16, 33, 256}) {

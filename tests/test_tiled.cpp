@@ -387,6 +387,49 @@ TEST(Tiled, KeptAndRecomputedProbabilitiesBothMatchTheMathPath) {
   }
 }
 
+// A forward's output does not depend on whether a backward follows. With autograd the kernel keeps
+// a block's exponentials in float32 (the probabilities, up to one key block; dropout), without it
+// rounds them to bfloat16 as it computes them; where the products take bfloat16 both must give the
+// same bfloat16 weights, so that evaluating and training (and a checkpoint's recomputation, which
+// must reproduce the output its forward gave without autograd) agree bit for bit. Each side of the
+// one-block boundary, causal or with key lengths, grouped heads, a float mask; both against float64.
+TEST(Tiled, BFloat16ForwardIsTheSameWhetherABackwardFollowsOrNot) {
+  using qkv::kernels::tiled::kKeysPerBlock;
+  torch::manual_seed(46);
+  for (const int64_t S : {int64_t{1}, int64_t{7}, int64_t{100}, kKeysPerBlock - 1, kKeysPerBlock, kKeysPerBlock + 1,
+                          int64_t{700}}) {
+    for (const bool causal : {false, true}) {
+      const int64_t B = 2, H = 4, Hkv = 2, D = 32, N = causal ? S : 90;
+      SCOPED_TRACE("S " + std::to_string(S) + (causal ? ", causal" : ", key lengths and a float mask"));
+      auto options = qkv::ScaledDotProductAttentionOptions().causal(causal).enable_gqa(true);
+      if (!causal) {
+        options.key_lengths(torch::tensor({std::max<int64_t>(S - 5, 1), S}, torch::kLong));
+        options.mask(torch::randn({N, S}));
+      }
+      const auto q = torch::randn({B, H, N, D}), k = torch::randn({B, Hkv, S, D}), v = torch::randn({B, Hkv, S, D});
+      const auto run = [&](bool with_autograd) {
+        auto leaf = [&](const torch::Tensor& t) { return t.to(torch::kBFloat16).requires_grad_(with_autograd); };
+        return qkv::scaled_dot_product_attention(leaf(q), leaf(k), leaf(v), options.backend(AttentionBackend::Tiled))
+            .output.detach();
+      };
+      const auto evaluated = [&] {
+        torch::NoGradGuard no_grad;
+        return run(false);
+      }();
+      const auto trained = run(true);
+      EXPECT_TRUE(torch::equal(trained, evaluated))
+          << "with and without autograd, largest difference "
+          << (trained.to(torch::kFloat) - evaluated.to(torch::kFloat)).abs().max().item<float>();
+      const auto reference = qkv::scaled_dot_product_attention(q.to(torch::kDouble), k.to(torch::kDouble),
+                                                               v.to(torch::kDouble),
+                                                               options.backend(AttentionBackend::Math))
+                                 .output;
+      EXPECT_LT(qkv_test::relative_error(evaluated.to(torch::kDouble), reference),
+                qkv_test::tolerance_for(torch::kBFloat16, S));
+    }
+  }
+}
+
 // The probabilities the forward keeps are read by the backward as they are, so every pair the
 // forward does not compute must be written 0 by it: keys before a window, past a row block's
 // causal end or a sequence's length, and every pair of a row that attends to nothing. The kernel's

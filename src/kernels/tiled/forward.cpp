@@ -82,7 +82,8 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
     accumulator.resize(static_cast<size_t>(kRowsPerBlock * p.Dv));
     // Where the block products multiply bfloat16, the weights of step 4 go straight from the
     // exponential into bfloat16 (unless they are kept for the backward or dropped out first).
-    const bool bf16_weights = product_kind<scalar_t>().bf16 && probabilities == nullptr && !p.dropout.active();
+    const bool bf16_products = product_kind<scalar_t>().bf16;
+    const bool bf16_weights = bf16_products && probabilities == nullptr && !p.dropout.active();
     AlignedVector<c10::BFloat16> weights(bf16_weights ? kRowsPerBlock * kKeysPerBlock : 0);
     PackedHead<scalar_t> head;
     // A window's unaligned block, packed for one use (see below); kept here so that its storage is reused.
@@ -162,8 +163,16 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           const acc_t correction = std::exp(row_max[r] - new_max);  // exp(-inf) = 0 on the first block
           acc_t sum;
           if constexpr (std::is_same_v<acc_t, float>) {
-            sum = bf16_weights ? exp_shifted_sum_to_bf16(row, cols, factor, new_max, row_weights)
-                               : exp_shifted_sum(row, cols, factor, new_max);
+            // Weights that bfloat16 products take, whether rounded here or kept in float32 for the
+            // backward or dropout first, are the same exponentials: the output does not depend on
+            // whether a backward follows (a checkpoint's recomputation gives the forward's output).
+            if (bf16_weights) {
+              sum = exp_shifted_sum_to_bf16(row, cols, factor, new_max, row_weights);
+            } else if (bf16_products) {
+              sum = exp_shifted_sum_for_bf16(row, cols, factor, new_max);
+            } else {
+              sum = exp_shifted_sum(row, cols, factor, new_max);
+            }
           } else {
             sum = exp_shifted_sum(row, cols, factor, new_max);
           }

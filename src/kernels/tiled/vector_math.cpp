@@ -132,6 +132,22 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float e
   if (largest != nullptr) *largest = _mm512_reduce_max_ps(top);
   return _mm512_reduce_add_ps(sum);
 }
+
+// exp_shifted_sum_to_bf16_avx512's exponentials and sum, the same instructions in the same order,
+// stored in float32.
+__attribute__((target("avx512f,avx512dq"))) float exp_shifted_sum_for_bf16_avx512(float* x, int64_t n, float factor,
+                                                                                  float shift) {
+  const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift), log2e = _mm512_set1_ps(kLog2e);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = tail_lanes(n - i);
+    const __m512 values = _mm512_maskz_loadu_ps(lanes, x + i);
+    const __m512 e = exp2_for_bf16(_mm512_mul_ps(_mm512_fmsub_ps(values, factor_v, shift_v), log2e), lanes);
+    _mm512_mask_storeu_ps(x + i, lanes, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
 #endif
 
 }  // namespace
@@ -177,6 +193,17 @@ float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shi
     return &exp_shifted_sum_to_bf16_portable;
   }();
   return implementation(x, n, factor, shift, out, largest);
+}
+
+float exp_shifted_sum_for_bf16(float* x, int64_t n, float factor, float shift) {
+  // The same choice as exp_shifted_sum_to_bf16's: its portable version rounds exp_shifted_sum's.
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512Bf16)) return &exp_shifted_sum_for_bf16_avx512;
+#endif
+    return +[](float* values, int64_t count, float f, float s) { return exp_shifted_sum(values, count, f, s); };
+  }();
+  return implementation(x, n, factor, shift);
 }
 
 namespace {

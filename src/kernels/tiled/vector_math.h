@@ -31,6 +31,13 @@ float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shi
                               float* largest = nullptr);
 inline double exp_shifted_sum(double* x, int64_t n, double shift) { return exp_shifted_sum(x, n, 1.0, shift); }
 
+/// The exponentials and sum of exp_shifted_sum_to_bf16, bit for bit, kept in float32 in place of
+/// x: the weights of a block whose bfloat16 products round them next (to the same bfloat16 values
+/// as exp_shifted_sum_to_bf16 writes) but which are also needed in float32 (probabilities kept for
+/// the backward, dropout). With it the forward's output does not depend on whether a backward
+/// follows.
+float exp_shifted_sum_for_bf16(float* x, int64_t n, float factor, float shift);
+
 /// The larger of a and b, where a NaN in either wins: a row with a NaN score must give NaN, as
 /// softmax does, not pass for a fully masked row (whose maximum is -inf). std::max drops a NaN in
 /// its second argument.
