@@ -86,6 +86,7 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
     const uint16_t method = read16(bytes + at + 10);
     const uint32_t expected_crc = read32(bytes + at + 16);
     const uint32_t stored_size = read32(bytes + at + 20);
+    const uint32_t uncompressed_size = read32(bytes + at + 24);
     const uint16_t name_length = read16(bytes + at + 28);
     const uint16_t extra_length = read16(bytes + at + 30);
     const uint16_t comment_length = read16(bytes + at + 32);
@@ -96,11 +97,21 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
     at += 46 + name_length + extra_length + comment_length;
     // Sizes and offsets of 0xFFFFFFFF live in a zip64 extra field; such archives (over 4 GiB) are
     // refused rather than handed unchecked to the reader.
-    TORCH_CHECK(stored_size != 0xFFFFFFFFu && local_offset != 0xFFFFFFFFu, path, ": entry ", name,
-                " needs zip64 sizes, which qkv does not check; files over 4 GiB are not supported");
+    TORCH_CHECK(stored_size != 0xFFFFFFFFu && uncompressed_size != 0xFFFFFFFFu && local_offset != 0xFFFFFFFFu, path,
+                ": entry ", name, " needs zip64 sizes, which qkv does not check; files over 4 GiB are not supported");
     // Tensors are stored uncompressed (method 0) and checked here; torch::save also writes
     // small deflated entries (TorchScript code), which are only bounds-checked.
     TORCH_CHECK(method == 0 || method == 8, path, ": entry ", name, " uses unknown compression method ", method);
+    // The reader copies (or inflates into) as many bytes as the uncompressed size says, and checks
+    // only the stored size against the file: an uncompressed size that disagrees with it made it
+    // read past the end of the buffer (found by fuzz/fuzz_weights_loader, 2026-12-05: a stored entry
+    // of 0xC00 bytes that claimed 0xFFFFFFFF). Stored, the two are equal; deflated, the
+    // uncompressed size is at most DEFLATE's largest ratio, 1032 to 1, of the stored one (else a
+    // few bytes could make the reader allocate 4 GiB).
+    TORCH_CHECK(method == 0 ? uncompressed_size == stored_size
+                            : uint64_t(uncompressed_size) <= 1032 * uint64_t(stored_size),
+                path, ": entry ", name, " claims ", uncompressed_size, " bytes uncompressed from ", stored_size,
+                method == 0 ? " stored" : " deflated", "; the file is corrupt");
     TORCH_CHECK(uint64_t(local_offset) + 30 <= size && read32(bytes + local_offset) == 0x04034b50u, path, ": entry ",
                 name, " has no valid local header; the file is corrupt");
     const uint64_t payload =

@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -221,6 +222,51 @@ TEST(CorruptFiles, EveryDamagedWeightsFileIsRefusedOrLoadsIntact) {
 }
 
 }  // namespace
+
+// The uncompressed size of an archive entry is what LibTorch's reader copies (stored) or inflates
+// into (deflated); it checks only the stored size against the file. A stored tensor whose directory
+// entry claims another uncompressed size, larger by one byte or 0xFFFFFFFF (zip64's marker, with
+// no zip64 field), is refused naming the file and the entry, and the module keeps its weights.
+TEST(CorruptFiles, AnEntryWhoseUncompressedSizeDisagreesIsRefused) {
+  const auto dir = std::filesystem::temp_directory_path() / ("qkv_sizes_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto good_path = (dir / "good.pt").string();
+  qkv::save_state_dict(small_module(), good_path);
+  const auto good = read_bytes(good_path);
+  // The central directory entry of the first tensor's data (".../data/0").
+  const auto read32 = [&](size_t at) {
+    uint32_t value = 0;
+    std::memcpy(&value, good.data() + at, 4);
+    return value;
+  };
+  size_t entry = 0;
+  for (size_t at = 0; at + 46 <= good.size(); ++at) {
+    if (read32(at) != 0x02014b50u) continue;
+    uint16_t name_length = 0;
+    std::memcpy(&name_length, good.data() + at + 28, 2);
+    const std::string name(good.data() + at + 46, name_length);
+    if (name.size() >= 7 && name.compare(name.size() - 7, 7, "/data/0") == 0) {
+      entry = at;
+      break;
+    }
+  }
+  ASSERT_NE(entry, 0u) << "no directory entry for data/0 in " << good_path;
+  const uint32_t stored = read32(entry + 20);
+  ASSERT_EQ(read32(entry + 24), stored) << "torch.save stores tensors uncompressed";
+  for (const uint32_t claimed : {stored + 1, stored - 1, 0xFFFFFFFFu}) {
+    SCOPED_TRACE("uncompressed size " + std::to_string(claimed));
+    auto damaged = good;
+    std::memcpy(damaged.data() + entry + 24, &claimed, 4);
+    const auto path = (dir / "damaged.pt").string();
+    write_bytes(path, damaged);
+    auto module = small_module();
+    const auto before = module->W_q->weight.clone();
+    EXPECT_THAT([&] { qkv::load_state_dict(module, path); },
+                ::testing::ThrowsMessage<c10::Error>(::testing::AllOf(HasSubstr(path), HasSubstr("data/0"))));
+    EXPECT_TRUE(torch::equal(module->W_q->weight, before)) << "the module's weights changed";
+  }
+  std::filesystem::remove_all(dir);
+}
 
 namespace {
 
