@@ -114,8 +114,13 @@ __attribute__((target("avx512f"))) float exp_shifted_sum_avx512(float* x, int64_
   return _mm512_reduce_add_ps(sum);
 }
 
-__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float exp_shifted_sum_to_bf16_avx512(
-    const float* x, int64_t n, float factor, float shift, uint16_t* out, float* largest) {
+// The exponentials that bfloat16 products take next, by exp2_for_bf16: rounded to bfloat16 into
+// `out` (kKeep false), or kept in float32 in `kept` (kKeep true; x itself, in place), from which
+// the products round them to the same bits. One loop for both, so that their exponentials and sums
+// are the same instructions in the same order.
+template <bool kKeep>
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) inline float exp_shifted_for_bf16_avx512(
+    const float* x, int64_t n, float factor, float shift, uint16_t* out, float* kept, float* largest) {
   // exp(factor · x - shift) = 2^((factor · x - shift) · log2(e)): the difference first, by the same
   // fused multiply-add as every other exponential of the kernel's, forward and backward (RowStatistics
   // in kernel.h), so that a row's scores equal to its maximum give exactly 2^0 at any magnitude.
@@ -125,7 +130,11 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float e
     const __mmask16 lanes = tail_lanes(n - i);
     const __m512 values = _mm512_maskz_loadu_ps(lanes, x + i);
     const __m512 e = exp2_for_bf16(_mm512_mul_ps(_mm512_fmsub_ps(values, factor_v, shift_v), log2e), lanes);
-    _mm256_mask_storeu_epi16(out + i, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+    if constexpr (kKeep) {
+      _mm512_mask_storeu_ps(kept + i, lanes, e);
+    } else {
+      _mm256_mask_storeu_epi16(out + i, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+    }
     sum = _mm512_add_ps(sum, e);
     top = _mm512_mask_max_ps(top, lanes, top, values);
   }
@@ -133,20 +142,14 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float e
   return _mm512_reduce_add_ps(sum);
 }
 
-// exp_shifted_sum_to_bf16_avx512's exponentials and sum, the same instructions in the same order,
-// stored in float32.
-__attribute__((target("avx512f,avx512dq"))) float exp_shifted_sum_for_bf16_avx512(float* x, int64_t n, float factor,
-                                                                                  float shift) {
-  const __m512 factor_v = _mm512_set1_ps(factor), shift_v = _mm512_set1_ps(shift), log2e = _mm512_set1_ps(kLog2e);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 lanes = tail_lanes(n - i);
-    const __m512 values = _mm512_maskz_loadu_ps(lanes, x + i);
-    const __m512 e = exp2_for_bf16(_mm512_mul_ps(_mm512_fmsub_ps(values, factor_v, shift_v), log2e), lanes);
-    _mm512_mask_storeu_ps(x + i, lanes, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float exp_shifted_sum_to_bf16_avx512(
+    const float* x, int64_t n, float factor, float shift, uint16_t* out, float* largest) {
+  return exp_shifted_for_bf16_avx512<false>(x, n, factor, shift, out, nullptr, largest);
+}
+
+__attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float exp_shifted_sum_for_bf16_avx512(
+    float* x, int64_t n, float factor, float shift) {
+  return exp_shifted_for_bf16_avx512<true>(x, n, factor, shift, nullptr, x, nullptr);
 }
 #endif
 
