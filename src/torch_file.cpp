@@ -30,7 +30,18 @@ c10::IValue read_torch_file(const std::vector<char>& bytes, const std::string& n
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, caller, ": ", e.what_without_backtrace());
   }
-  return torch::pickle_load(bytes);
+  try {
+    return torch::pickle_load(bytes);
+  } catch (const c10::Error&) {
+    throw;  // the caller names the file (state_dict.cpp) or the kind of damage it knows
+  } catch (const std::exception& e) {
+    // LibTorch's unpickler reads its memo and stack with bounds-checked accessors, so a damaged
+    // pickle inside a sound archive can end in std::out_of_range rather than a c10::Error (found
+    // by fuzz/fuzz_weights_loader, 2026-12-05: a memo index of 63 into 31 entries): a c10::Error
+    // naming the file, as for every other damage.
+    TORCH_CHECK(false, caller, ": ", name, " is damaged or not written by torch.save: LibTorch's reader stopped with ",
+                e.what());
+  }
 }
 
 std::vector<char> torch_save_bytes(const c10::IValue& value) {
