@@ -98,7 +98,8 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
     // Sizes and offsets of 0xFFFFFFFF live in a zip64 extra field; such archives (over 4 GiB) are
     // refused rather than handed unchecked to the reader.
     TORCH_CHECK(stored_size != 0xFFFFFFFFu && uncompressed_size != 0xFFFFFFFFu && local_offset != 0xFFFFFFFFu, path,
-                ": entry ", name, " needs zip64 sizes, which qkv does not check; files over 4 GiB are not supported");
+                ": entry ", name, " marks a size or offset as zip64's (0xFFFFFFFF), which qkv does not read: the file "
+                "is over 4 GiB, which is not supported, or corrupt");
     // Tensors are stored uncompressed (method 0) and checked here; torch::save also writes
     // small deflated entries (TorchScript code), which are only bounds-checked.
     TORCH_CHECK(method == 0 || method == 8, path, ": entry ", name, " uses unknown compression method ", method);

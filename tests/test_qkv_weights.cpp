@@ -4,6 +4,9 @@
 
 #include <gmock/gmock.h>
 
+#include <algorithm>
+#include <filesystem>
+
 namespace {
 
 using ::testing::HasSubstr;
@@ -25,6 +28,24 @@ TEST(WeightsApp, BadCommandLinesExitWith2AndRuntimeFailuresWith1) {
     EXPECT_EQ(run.exit_code, expected) << arguments << ": " << run.output;
     EXPECT_THAT(run.output, HasSubstr("qkv-weights:")) << arguments;
   }
+}
+
+// The damaged weights files the fuzzers found (tests/data/fuzz_regressions/, where
+// FuzzRegressions checks the library's refusal): qkv-weights refuses each with exit status 1 and
+// one line naming the file.
+TEST(WeightsApp, DamagedFilesTheFuzzersFoundExitWith1NamingTheFile) {
+  const std::string tool = QKV_WEIGHTS_PATH;
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(qkv_test::data_path("fuzz_regressions"))) {
+    const auto path = entry.path().string();
+    auto run = qkv_test::run_command(tool + " inspect " + path, /*merge_stderr=*/true);
+    EXPECT_EQ(run.exit_code, 1) << path << ": " << run.output;
+    EXPECT_THAT(run.output, HasSubstr("qkv-weights: ")) << path;
+    EXPECT_THAT(run.output, HasSubstr(path));
+    EXPECT_EQ(std::count(run.output.begin(), run.output.end(), '\n'), 1) << "one line: " << run.output;
+    ++count;
+  }
+  EXPECT_GE(count, 4);
 }
 
 }  // namespace
