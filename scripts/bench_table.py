@@ -138,13 +138,13 @@ def judged_goals(case, qkv_ms, results, best_impl):
     return judged
 
 
-def goal_cell(case, row):
-    """The table's goal column: each goal, then each side's verdict ("met" or "missed", and for a
-    goal against a named implementation which)."""
-    goals = goals_of(case)
+def goal_cell(row):
+    """The table's goal column: each of the row's goals, then each side's verdict ("met" or
+    "missed", and for a goal against a named implementation which)."""
+    goals = row["goals"]
     if not goals:
         return ""
-    stated = ", ".join(f"≥{goal:g}×" + ("" if impl == "fastest" else f" {impl}") for impl, goal in goals)
+    stated = ", ".join(f"≥{g['goal']:g}×" + ("" if g["against"] == "fastest" else f" {g['against']}") for g in goals)
     verdicts = []
     for side, entry in row["pytorch"].items():
         for judged in entry["goals"]:
@@ -291,7 +291,7 @@ def main():
                 line += ["-", "-"]
                 continue
             line += [f"{entry['ms']:.4g} ({entry['impl']})", f"{entry['ratio']:.2f}"]
-        line.append(goal_cell(cases[r["case"]], r))
+        line.append(goal_cell(r))
         line.append(f"{human_bytes(r['qkv_peak_memory_bytes'])} ({human_bytes(r['qkv_peak_above_baseline_bytes'])})")
         lines.append(line)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

@@ -207,11 +207,7 @@ TEST(Concurrency, SeparateModulesTrainOnSeveralThreadsAtOnce) {
       loss.backward();
       optimizer.step();
     }
-    return torch::cat([&] {
-      std::vector<torch::Tensor> flat;
-      for (const auto& parameter : block->parameters()) flat.push_back(parameter.detach().flatten());
-      return flat;
-    }());
+    return torch::nn::utils::parameters_to_vector(block->parameters()).detach();
   };
   std::vector<torch::Tensor> alone;
   for (int t = 0; t < kThreads; ++t) alone.push_back(train(t, torch::kFloat));

@@ -45,6 +45,11 @@ bool wide_vectors() { return tiled::at_least(tiled::active_isa(), tiled::Product
 // Whether they take their AVX2 versions instead of the portable ones.
 bool avx2_vectors() { return tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx2); }
 
+// Whether the bfloat16 passes (and the exponentials the bfloat16 products take) take their
+// AVX-512 versions: where the products multiply bfloat16 (their only callers in the kernel); the
+// tests run both.
+bool bf16_vectors() { return tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512Bf16); }
+
 // A value as float32: float32 as it is, bfloat16 (raw bits) widened exactly.
 inline float widened(float value) { return value; }
 inline float widened(uint16_t bits) { return bfloat16_bits_to_float(bits); }
@@ -191,7 +196,7 @@ float exp_shifted_sum_to_bf16_portable(const float* x, int64_t n, float factor, 
 float exp_shifted_sum_to_bf16(const float* x, int64_t n, float factor, float shift, uint16_t* out, float* largest) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512Bf16)) return &exp_shifted_sum_to_bf16_avx512;
+    if (bf16_vectors()) return &exp_shifted_sum_to_bf16_avx512;
 #endif
     return &exp_shifted_sum_to_bf16_portable;
   }();
@@ -202,7 +207,7 @@ float exp_shifted_sum_for_bf16(float* x, int64_t n, float factor, float shift) {
   // The same choice as exp_shifted_sum_to_bf16's: its portable version rounds exp_shifted_sum's.
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    if (tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512Bf16)) return &exp_shifted_sum_for_bf16_avx512;
+    if (bf16_vectors()) return &exp_shifted_sum_for_bf16_avx512;
 #endif
     return +[](float* values, int64_t count, float f, float s) { return exp_shifted_sum(values, count, f, s); };
   }();
@@ -617,10 +622,6 @@ void transpose_portable(const T* x, int64_t x_stride, int64_t rows, int64_t cols
     for (int64_t r = 0; r < rows; ++r) out[c * out_stride + r] = widened(x[r * x_stride + c]);
   }
 }
-
-// The bfloat16 passes take their AVX-512 versions where the products multiply bfloat16 (the only
-// callers in the kernel); the tests run both.
-bool bf16_vectors() { return tiled::at_least(tiled::active_isa(), tiled::ProductIsa::Avx512Bf16); }
 
 }  // namespace
 
