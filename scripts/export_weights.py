@@ -3,8 +3,9 @@
     from export_weights import export
     export(model, "weights.pt")     # model: the documents' SelfAttention or nn.MultiheadAttention
 
-is torch.save(dict(model.state_dict()), path): a plain dict, because LibTorch 1.13 cannot read
-the OrderedDict that state_dict() returns. From the shell, for the documents' module:
+is torch.save(dict(model.state_dict()), path). qkv reads torch.save(model.state_dict(), path) as
+well (an OrderedDict); the plain dict is also what LibTorch's own torch::pickle_load reads, for
+programs that load the file without qkv. From the shell, for the documents' module:
 
     /usr/bin/python3 scripts/export_weights.py --d-model 8 --seed 42 weights.pt
 """

@@ -20,6 +20,7 @@ against F.scaled_dot_product_attention(enable_gqa=True).
 Run with the interpreter that has PyTorch:  /usr/bin/python3 scripts/gen_reference.py [--decoder-only | --check-only]
 The files are small and committed; the C++ tests never need Python.
 """
+import collections
 import json
 import math
 import os
@@ -246,6 +247,37 @@ def interop_cases():
     print("wrote tests/data/interop_*.pt")
 
 
+def pickle_variants_case():
+    """What torch.save writes beyond a plain dict of contiguous float32 tensors, for qkv's own
+    reader of the pickle (src/pickle_reader.cpp; tests/test_state_dict.cpp, WeightsFromPython).
+    Every tensor is made from torch.arange, so the test computes what it must read by itself."""
+    def arange(n, dtype=torch.float32):
+        return torch.arange(n).to(dtype)
+
+    base = arange(10)
+    variants = collections.OrderedDict()  # an OrderedDict with attributes, as Module.state_dict() returns
+    variants._metadata = collections.OrderedDict([("", {"version": 1})])
+    variants["transposed"] = arange(24).reshape(4, 6).t()        # strides (1, 6)
+    variants["sliced"] = arange(24)[5:17:3]                      # offset 5, stride 3, in the whole storage
+    variants["shared_head"] = base[:5]                           # one storage, two tensors
+    variants["shared_tail"] = base[5:]
+    variants["expanded"] = arange(3).expand(2, 3)                # stride 0
+    variants["scalar"] = torch.tensor(3.5)                       # no dimensions
+    variants["empty"] = torch.zeros(0, 3)
+    variants["bfloat16"] = arange(8, torch.bfloat16)
+    variants["float16"] = arange(8, torch.float16)
+    variants["float64"] = arange(8, torch.float64)
+    variants["int64"] = arange(8, torch.int64)
+    variants["bool"] = arange(8) % 3 == 0
+    variants["parameter"] = nn.Parameter(arange(4))               # torch._utils._rebuild_parameter
+    variants["one_entry"] = {"only": arange(2)}                   # SETITEM, not SETITEMS
+    variants["one_item"] = [arange(2)]                            # APPEND, not APPENDS
+    variants["plain"] = [1, -2, 70000, -(2 ** 40), 2.5, "text", True, False, None, (1, 2)]
+    torch.save(variants, os.path.join(DATA, "interop_pickle_variants.pt"))
+    torch.save({"W": arange(4)}, os.path.join(DATA, "interop_one_entry.pt"))
+    print("wrote tests/data/interop_pickle_variants.pt, interop_one_entry.pt")
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -392,7 +424,11 @@ def main():
     if "--decoder-only" in sys.argv[1:]:
         decoder_cases()
         return
+    if "--pickle-variants-only" in sys.argv[1:]:
+        pickle_variants_case()
+        return
     interop_cases()
+    pickle_variants_case()
     check_loop_reference()
     documents_case()
     loop_case("multihead", seed=1)

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <unordered_set>
 
 namespace qkv::detail {
 namespace {
@@ -34,7 +35,7 @@ uint16_t read16(const unsigned char* p) { return static_cast<uint16_t>(p[0] | (p
 
 }  // namespace
 
-void verify_torch_archive(const char* data, size_t size, const std::string& path) {
+std::vector<ArchiveEntry> verify_torch_archive(const char* data, size_t size, const std::string& path) {
   const auto* bytes = reinterpret_cast<const unsigned char*>(data);
   constexpr size_t kEndRecord = 22;  // end-of-central-directory record without comment
   TORCH_CHECK(size >= kEndRecord, path, ": ", size, " bytes is too short for an archive written by torch.save");
@@ -78,6 +79,8 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
               ": the archive's directory points outside the file; the file is truncated or corrupt");
   TORCH_CHECK(entries <= directory_size / 46, path, ": the archive's directory cannot hold ", entries,
               " entries; the file is corrupt");
+  std::vector<ArchiveEntry> found_entries;
+  std::unordered_set<std::string> names;
   size_t at = directory_offset;
   const size_t directory_stop = static_cast<size_t>(directory_offset + directory_size);
   for (uint64_t i = 0; i < entries; ++i) {
@@ -121,7 +124,12 @@ void verify_torch_archive(const char* data, size_t size, const std::string& path
                 " runs past the end of the file; the file is truncated");
     TORCH_CHECK(method != 0 || crc32(bytes + payload, stored_size) == expected_crc, path, ": entry ", name,
                 " fails its CRC-32 check; the file is corrupt (bit errors or a partial write)");
+    // The reader finds an entry by name: with two of one name, what it reads and what was checked
+    // (the pickle's storages against their entries' sizes, pickle_check.h) could differ.
+    TORCH_CHECK(names.insert(name).second, path, ": entry ", name, " appears twice; the file is corrupt");
+    found_entries.push_back({name, uncompressed_size, method != 0});
   }
+  return found_entries;
 }
 
 }  // namespace qkv::detail

@@ -45,25 +45,9 @@ std::map<std::string, torch::Tensor> read_tensor_dict(const std::string& path) {
 }
 
 std::map<std::string, torch::Tensor> read_tensor_dict(const std::vector<char>& bytes, const std::string& path) {
-  // torch.save stores its pickle uncompressed. A top-level OrderedDict shows as the protocol
-  // header followed by the GLOBAL opcode for it (tensors inside carry an OrderedDict too, but
-  // never right after the header).
-  static const std::string ordered_dict = std::string("\x80\x02", 2) + "ccollections\nOrderedDict\n";
-  const bool is_ordered_dict =
-      std::search(bytes.begin(), bytes.end(), ordered_dict.begin(), ordered_dict.end()) != bytes.end();
-  c10::IValue value;
-  try {
-    value = detail::read_torch_file(bytes, path, "load_state_dict");
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    if (message.rfind("load_state_dict: ", 0) == 0) throw;  // the archive check's own message
-    // LibTorch 1.13's unpickler turns an OrderedDict into None and then fails on it.
-    TORCH_CHECK(!is_ordered_dict, "load_state_dict: ", path,
-                " holds an OrderedDict (Python's model.state_dict()), which LibTorch ", TORCH_VERSION,
-                " cannot read. Save a plain dict instead: torch.save(dict(model.state_dict()), \"", path,
-                "\") (scripts/export_weights.py does this)");
-    TORCH_CHECK(false, "load_state_dict: ", path, " is not a dict of tensors written by torch.save (", message, ")");
-  }
+  // Refusals name the file: "load_state_dict: <path>: ...". An OrderedDict (Python's
+  // model.state_dict()) reads as a dict.
+  const c10::IValue value = detail::read_torch_file(bytes, path, "load_state_dict");
   TORCH_CHECK(value.isGenericDict(), "load_state_dict: ", path, " holds a ", value.tagKind(),
               "; expected a dict of tensors as written by torch.save(dict(model.state_dict()), path)");
   std::map<std::string, torch::Tensor> tensors;

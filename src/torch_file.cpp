@@ -2,16 +2,19 @@
 #include "torch_file.h"
 
 #include "archive_integrity.h"
+#include "pickle_reader.h"
 
+#include <caffe2/serialize/in_memory_adapter.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
-#include <torch/serialize.h>
 
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <memory>
+#include <unordered_map>
 
 namespace qkv::detail {
 
@@ -23,24 +26,91 @@ std::vector<char> read_file_bytes(const std::string& path, const char* caller) {
   return bytes;
 }
 
+namespace {
+
+// An archive that verify_torch_archive passed, open in LibTorch's reader, which names entries
+// relative to the archive's folder (the first entry's). Its refusals name the file.
+class CheckedArchive {
+ public:
+  CheckedArchive(const std::vector<char>& bytes, std::string path) : path_(std::move(path)) {
+    const auto entries = verify_torch_archive(bytes.data(), bytes.size(), path_);
+    TORCH_CHECK(!entries.empty(), path_, ": the archive holds nothing; expected a file written by torch.save");
+    const auto& first = entries.front().name;
+    const auto folder = first.substr(0, first.find('/') + 1);
+    for (const auto& entry : entries) {
+      if (entry.name.rfind(folder, 0) == 0) sizes_.emplace(entry.name.substr(folder.size()), entry.size);
+    }
+    named([&] {
+      reader_ = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
+          std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
+    });
+  }
+
+  bool has(const std::string& name) const { return sizes_.count(name) > 0; }
+  std::pair<at::DataPtr, size_t> record(const std::string& name) {
+    std::pair<at::DataPtr, size_t> r;
+    named([&] {
+      auto [data, size] = reader_->getRecord(name);
+      r = {std::move(data), size};
+    });
+    return r;
+  }
+  StorageEntries storages() {
+    return {[this](const std::string& name) -> c10::optional<uint64_t> {
+              const auto found = sizes_.find(name);
+              return found == sizes_.end() ? c10::nullopt : c10::optional<uint64_t>(found->second);
+            },
+            [this](const std::string& name) { return record(name).first; }};
+  }
+
+ private:
+  template <typename F>
+  void named(F&& f) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, path_, ": LibTorch's archive reader refused it: ", e.what_without_backtrace());
+    }
+  }
+
+  std::string path_;
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader_;
+  std::unordered_map<std::string, uint64_t> sizes_;  // by name within the folder
+};
+
+}  // namespace
+
+void verify_torchscript_archive(const std::vector<char>& bytes, const std::string& path) {
+  CheckedArchive archive(bytes, path);
+  const auto storages = archive.storages();
+  for (const std::string folder : {"data", "constants"}) {
+    const auto pickle = folder + ".pkl";
+    if (!archive.has(pickle)) continue;  // LibTorch's importer names what it misses
+    const auto [data, size] = archive.record(pickle);
+    verify_torchscript_pickle(static_cast<const char*>(data.get()), size, folder + "/", storages, path + ": " + pickle);
+  }
+}
+
 c10::IValue read_torch_file(const std::vector<char>& bytes, const std::string& name, const char* caller) {
   TORCH_CHECK(!bytes.empty(), caller, ": ", name, " is empty; expected a file written by torch.save");
   try {
-    verify_torch_archive(bytes.data(), bytes.size(), name);
+    CheckedArchive archive(bytes, name);
+    TORCH_CHECK(archive.has("data.pkl"), name,
+                " holds no data.pkl, so it was not written by torch.save (a TorchScript module from torch.jit.save, "
+                "or a zip file of something else?)");
+    if (archive.has("byteorder")) {  // written by PyTorch since 2.1
+      const auto [order, order_size] = archive.record("byteorder");
+      TORCH_CHECK(std::string(static_cast<const char*>(order.get()), order_size) == "little", name,
+                  " was written on a big-endian machine, whose tensors qkv does not read");
+    }
+    const auto [pickle, pickle_size] = archive.record("data.pkl");
+    return read_weights_pickle(static_cast<const char*>(pickle.get()), pickle_size, "data/", archive.storages(),
+                               name + ": data.pkl");
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, caller, ": ", e.what_without_backtrace());
-  }
-  try {
-    return torch::pickle_load(bytes);
-  } catch (const c10::Error&) {
-    throw;  // the caller names the file (state_dict.cpp) or the kind of damage it knows
   } catch (const std::exception& e) {
-    // LibTorch's unpickler reads its memo and stack with bounds-checked accessors, so a damaged
-    // pickle inside a sound archive can end in std::out_of_range rather than a c10::Error (found
-    // by fuzz/fuzz_weights_loader, 2026-12-05: a memo index of 63 into 31 entries): a c10::Error
-    // naming the file, as for every other damage.
-    TORCH_CHECK(false, caller, ": ", name, " is damaged or not written by torch.save: LibTorch's reader stopped with ",
-                e.what());
+    // Allocation failures and the like: the same refusal, naming the file.
+    TORCH_CHECK(false, caller, ": ", name, " could not be read: ", e.what());
   }
 }
 

@@ -13,9 +13,16 @@ namespace qkv::detail {
 /// The bytes of the file at `path`; throws c10::Error "<caller>: cannot read <path>: <reason>".
 std::vector<char> read_file_bytes(const std::string& path, const char* caller);
 
-/// The object a torch.save file holds, after checking the archive (verify_torch_archive): a
-/// damaged file is refused before LibTorch's reader sees it. Throws c10::Error naming `name`.
+/// The object a torch.save file holds: the archive checked (verify_torch_archive) and its
+/// pickle read by qkv itself (read_weights_pickle), not by LibTorch's unpickler, which trusts
+/// its input. Plain data and CPU tensors; an OrderedDict (Python's state_dict()) reads as a dict.
+/// A damaged or crafted file is refused with a c10::Error "<caller>: <name>: ...".
 c10::IValue read_torch_file(const std::vector<char>& bytes, const std::string& name, const char* caller);
+
+/// Checks a TorchScript archive (torch::serialize::OutputArchive's, qkv-train's checkpoints)
+/// before LibTorch's importer reads it: the archive (verify_torch_archive) and its pickles
+/// (verify_torchscript_pickle). Throws c10::Error naming `path`.
+void verify_torchscript_archive(const std::vector<char>& bytes, const std::string& path);
 
 /// `value` (dicts, lists, tensors, numbers, strings) in torch.save's format. Unlike
 /// torch::pickle_save, containers carry no TorchScript type tags

@@ -270,8 +270,9 @@ TEST(CorruptFiles, AnEntryWhoseUncompressedSizeDisagreesIsRefused) {
 
 namespace {
 
-// Inputs the fuzzers found crashing LibTorch's zip reader before qkv checked the archive first
-// (scripts/fuzz.sh saves them; each is kept here as it was found).
+// Inputs the fuzzers found crashing or misleading LibTorch's readers (its zip reader before qkv
+// checked the archive first, its unpickler before qkv read the pickle itself); scripts/fuzz.sh
+// saves them, and each is kept here as it was found.
 TEST(FuzzRegressions, FoundInputsAreRefusedWithAMessage) {
   const auto dir = std::filesystem::path(qkv_test::data_path("fuzz_regressions"));
   int count = 0;

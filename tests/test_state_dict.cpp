@@ -2,6 +2,7 @@
 // by scripts/gen_reference.py) load into qkv and give PyTorch's outputs; bad files are refused
 // with the keys named, leaving the module unchanged.
 #include "support/fixtures.h"
+#include "torch_file.h"
 
 #include <gmock/gmock.h>
 
@@ -49,18 +50,77 @@ TEST(StateDict, MultiheadAttentionFromPythonBatchFirstAndSequenceFirst) {
   EXPECT_TRUE(qkv_test::tensors_close(seq_first, data.tensor("output_seq_first"), 1e-6));
 }
 
-TEST(StateDict, OrderedDictFromStateDictIsReadOrExplained) {
+// torch.save(model.state_dict()): an OrderedDict with _metadata, which no LibTorch reads; qkv's
+// own reader of the pickle (src/pickle_reader.cpp) does.
+TEST(StateDict, OrderedDictFromStateDictIsRead) {
   qkv::SelfAttention module(8);
-  const auto path = qkv_test::data_path("interop_documents_ordereddict.pt");
-  try {
-    qkv::load_state_dict(module, path);  // LibTorch >= 2 reads OrderedDicts
-    const auto data = io("documents");
-    torch::NoGradGuard no_grad;
-    EXPECT_TRUE(qkv_test::tensors_close(module(data.tensor("query")), data.tensor("output"), 1e-6));
-  } catch (const c10::Error& error) {
-    EXPECT_THAT(error.what_without_backtrace(),
-                AllOf(HasSubstr(path), HasSubstr("OrderedDict"), HasSubstr("torch.save(dict(model.state_dict())")));
-  }
+  qkv::load_state_dict(module, qkv_test::data_path("interop_documents_ordereddict.pt"));
+  const auto data = io("documents");
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(qkv_test::tensors_close(module(data.tensor("query")), data.tensor("output"), 1e-6));
+}
+
+// A dict of one entry is pickled with SETITEM rather than SETITEMS, which LibTorch's unpickler
+// (1.13) did not read.
+TEST(StateDict, ADictOfOneEntryIsRead) {
+  const auto tensors = qkv::read_tensor_dict(qkv_test::data_path("interop_one_entry.pt"));
+  ASSERT_EQ(tensors.size(), 1u);
+  EXPECT_TRUE(torch::equal(tensors.at("W"), torch::arange(4, torch::kFloat)));
+}
+
+// What torch.save writes beyond contiguous float32 tensors in a plain dict
+// (scripts/gen_reference.py pickle_variants_case): views into a larger storage, two tensors over
+// one storage, stride 0, no dimensions, no elements, five more dtypes, an nn.Parameter, nested
+// containers of one item, and plain values. Every tensor there is made from torch.arange, so the
+// expected values are computed here, independently of the file.
+TEST(WeightsFromPython, EveryKindOfValueTorchSaveWritesReadsAsPythonWroteIt) {
+  const auto path = qkv_test::data_path("interop_pickle_variants.pt");
+  const auto dict =
+      qkv::detail::read_torch_file(qkv::detail::read_file_bytes(path, "test"), path, "test").toGenericDict();
+  const auto arange = [](int64_t n, torch::Dtype dtype = torch::kFloat) { return torch::arange(n).to(dtype); };
+  const auto tensor = [&](const char* key) { return dict.at(key).toTensor(); };
+  const auto same = [](const torch::Tensor& got, const torch::Tensor& expected) {
+    return got.dtype() == expected.dtype() && got.sizes() == expected.sizes() && torch::equal(got, expected);
+  };
+  EXPECT_TRUE(same(tensor("transposed"), arange(24).reshape({4, 6}).t()));
+  EXPECT_EQ(tensor("transposed").strides(), (std::vector<int64_t>{1, 6}));  // the view, as saved
+  EXPECT_TRUE(same(tensor("sliced"), arange(24).slice(0, 5, 17, 3)));
+  EXPECT_TRUE(same(tensor("shared_head"), arange(5)));
+  EXPECT_TRUE(same(tensor("shared_tail"), arange(10).slice(0, 5)));
+  EXPECT_TRUE(tensor("shared_head").storage().is_alias_of(tensor("shared_tail").storage()));
+  EXPECT_TRUE(same(tensor("expanded"), arange(3).expand({2, 3})));
+  EXPECT_TRUE(same(tensor("scalar"), torch::tensor(3.5f)));
+  EXPECT_TRUE(same(tensor("empty"), torch::zeros({0, 3})));
+  EXPECT_TRUE(same(tensor("bfloat16"), arange(8, torch::kBFloat16)));
+  EXPECT_TRUE(same(tensor("float16"), arange(8, torch::kHalf)));
+  EXPECT_TRUE(same(tensor("float64"), arange(8, torch::kDouble)));
+  EXPECT_TRUE(same(tensor("int64"), arange(8, torch::kLong)));
+  EXPECT_TRUE(same(tensor("bool"), arange(8).remainder(3) == 0));
+  EXPECT_TRUE(same(tensor("parameter"), arange(4)));
+  EXPECT_TRUE(same(dict.at("one_entry").toGenericDict().at("only").toTensor(), arange(2)));
+  const auto one_item = dict.at("one_item").toList();
+  ASSERT_EQ(one_item.size(), 1u);
+  EXPECT_TRUE(same(one_item.get(0).toTensor(), arange(2)));
+  const auto plain = dict.at("plain").toList();
+  ASSERT_EQ(plain.size(), 10u);
+  EXPECT_EQ(plain.get(0).toInt(), 1);
+  EXPECT_EQ(plain.get(1).toInt(), -2);
+  EXPECT_EQ(plain.get(2).toInt(), 70000);
+  EXPECT_EQ(plain.get(3).toInt(), -(int64_t(1) << 40));  // LONG1 of 6 bytes
+  EXPECT_EQ(plain.get(4).toDouble(), 2.5);
+  EXPECT_EQ(plain.get(5).toStringRef(), "text");
+  EXPECT_TRUE(plain.get(6).toBool());
+  EXPECT_FALSE(plain.get(7).toBool());
+  EXPECT_TRUE(plain.get(8).isNone());
+  const auto pair = plain.get(9).toTuple();
+  ASSERT_EQ(pair->elements().size(), 2u);
+  EXPECT_EQ(pair->elements()[1].toInt(), 2);
+  // The OrderedDict's entries in their order; its _metadata (given by BUILD) is not an entry.
+  std::vector<std::string> keys;
+  for (const auto& item : dict) keys.push_back(item.key().toStringRef());
+  EXPECT_EQ(keys.front(), "transposed");
+  EXPECT_EQ(keys.back(), "plain");
+  EXPECT_EQ(keys.size(), 16u);
 }
 
 TEST(StateDict, SavedFileReadsBackWithTheDocumentsKeys) {

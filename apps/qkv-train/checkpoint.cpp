@@ -1,6 +1,5 @@
 #include "checkpoint.h"
 
-#include "archive_integrity.h"
 #include "atomic_file.h"
 #include "torch_file.h"
 
@@ -50,7 +49,7 @@ torch::serialize::InputArchive open_archive(const std::string& dir) {
   torch::serialize::InputArchive archive;
   try {
     const auto bytes = qkv::detail::read_file_bytes(path, "--resume");
-    qkv::detail::verify_torch_archive(bytes.data(), bytes.size(), path);
+    qkv::detail::verify_torchscript_archive(bytes, path);
     archive.load_from(bytes.data(), bytes.size());
   } catch (const c10::Error& e) {
     throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what_without_backtrace());

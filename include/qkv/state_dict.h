@@ -27,9 +27,11 @@ enum class StateDictLayout {
 
 const char* to_string(StateDictLayout layout);
 
-/// Reads a dict of tensors written by Python's `torch.save(dict, path)` (or by save_tensor_dict).
-/// Throws c10::Error naming the file and the problem. LibTorch 1.13 cannot read the OrderedDict
-/// that `model.state_dict()` returns; the error then says how to save the file instead.
+/// Reads a dict of tensors written by Python's `torch.save(model.state_dict(), path)` (an
+/// OrderedDict; a plain dict, or save_tensor_dict's file, alike). qkv reads the file's pickle
+/// itself, accepting only plain data and tensors, each checked to lie inside the file, rather than
+/// with LibTorch's unpickler, which trusts its input. Tensors saved from a GPU load on the CPU.
+/// Throws c10::Error naming the file and the problem.
 std::map<std::string, torch::Tensor> read_tensor_dict(const std::string& path);
 /// The same for a file's bytes; `name` is the file's name in messages.
 std::map<std::string, torch::Tensor> read_tensor_dict(const std::vector<char>& bytes, const std::string& name);

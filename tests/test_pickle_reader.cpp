@@ -1,0 +1,233 @@
+// Crafted pickles inside sound archives (every CRC right): what a damaged writer or an attacker
+// could hand qkv's reader of torch.save files (src/pickle_reader.cpp). Each is refused with a
+// c10::Error that names the file and the condition, before any tensor is made. Before that reader,
+// LibTorch's unpickler read them: some crashed it (a TUPLE3 on a short stack wrote through a wild
+// pointer, found by fuzz/fuzz_weights_loader) and some loaded silently, a storage larger than its
+// entry handing the heap beyond it to the weights. The pickles are written here opcode by opcode,
+// from Python's definitions of them (Lib/pickle.py), and one baseline loads, so that each case
+// differs from a good file by its one fault.
+#include "support/fixtures.h"
+
+#include <caffe2/serialize/inline_container.h>
+#include <gmock/gmock.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace pickle_reader_test {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::ThrowsMessage;
+
+// Pickle protocol 2, one opcode at a time.
+struct Pickle {
+  std::string bytes = std::string("\x80\x02", 2);  // PROTO 2
+
+  Pickle& op(char opcode) { return raw(std::string(1, opcode)); }
+  Pickle& raw(const std::string& b) {
+    bytes += b;
+    return *this;
+  }
+  Pickle& little_endian(uint64_t value, int n) {
+    for (int i = 0; i < n; ++i) bytes += static_cast<char>((value >> (8 * i)) & 0xFF);
+    return *this;
+  }
+  Pickle& integer(int64_t value) {  // BININT1, BININT or LONG1 (of 8 bytes; Python's pickler writes fewer)
+    if (value >= 0 && value < 256) return op('K').little_endian(uint64_t(value), 1);
+    if (value >= INT32_MIN && value <= INT32_MAX) return op('J').little_endian(uint64_t(uint32_t(int32_t(value))), 4);
+    return op('\x8a').little_endian(8, 1).little_endian(uint64_t(value), 8);
+  }
+  Pickle& string(const std::string& s) { return op('X').little_endian(s.size(), 4).raw(s); }
+  Pickle& global(const std::string& module, const std::string& name) { return op('c').raw(module + "\n" + name + "\n"); }
+  Pickle& put(uint64_t id) { return op('q').little_endian(id, 1); }
+  Pickle& get(uint64_t id) { return op('h').little_endian(id, 1); }
+  Pickle& tuple(const std::vector<int64_t>& values) {
+    op('(');
+    for (const auto v : values) integer(v);
+    return op('t');
+  }
+  Pickle& stop() { return op('.'); }
+};
+
+// How the baseline's one tensor is written; each case changes one thing.
+struct TensorSpec {
+  std::string storage_type = "FloatStorage";
+  std::string key = "0";
+  int64_t elements = 16;
+  int64_t offset = 0;
+  std::vector<int64_t> sizes{4, 4}, strides{4, 1};
+};
+
+// {'w': _rebuild_tensor_v2(<storage>, offset, sizes, strides, False, OrderedDict())}, as
+// torch.save writes it.
+Pickle tensor_dict(const TensorSpec& t) {
+  Pickle p;
+  p.op('}').op('(').string("w").global("torch._utils", "_rebuild_tensor_v2");
+  p.op('(');
+  p.op('(').string("storage").global("torch", t.storage_type).string(t.key).string("cpu").integer(t.elements).op('t');
+  p.op('Q');  // BINPERSID
+  p.integer(t.offset).tuple(t.sizes).tuple(t.strides).op('\x89');
+  p.global("collections", "OrderedDict").op(')').op('R');
+  p.op('t').op('R').op('u').stop();
+  return p;
+}
+
+// A sound archive (LibTorch's own writer: CRCs and offsets right) holding `pickle` as data.pkl and
+// 64 bytes, the floats 0 … 15, as the storage data/0 (and data/1 when `second_storage`).
+std::vector<char> archive(const std::string& pickle, bool second_storage = false) {
+  std::vector<char> out;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) -> size_t {
+    out.insert(out.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
+    return size;
+  });
+  writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+  const auto floats = torch::arange(16, torch::kFloat);
+  writer.writeRecord("data/0", floats.data_ptr(), 64);
+  if (second_storage) writer.writeRecord("data/1", floats.data_ptr(), 64);
+  writer.writeEndOfFile();
+  return out;
+}
+
+std::map<std::string, torch::Tensor> read(const Pickle& p) { return qkv::read_tensor_dict(archive(p.bytes), "crafted.pt"); }
+
+TEST(CraftedPickles, TheBaselineLoads) {
+  const auto tensors = read(tensor_dict({}));
+  ASSERT_EQ(tensors.count("w"), 1u);
+  EXPECT_TRUE(torch::equal(tensors.at("w"), torch::arange(16, torch::kFloat).reshape({4, 4})));
+  // The largest view the storage allows loads too: the check is not off by one.
+  TensorSpec last_row;
+  last_row.offset = 12;
+  last_row.sizes = {1, 4};
+  EXPECT_TRUE(torch::equal(read(tensor_dict(last_row)).at("w"), torch::arange(12, 16, torch::kFloat).reshape({1, 4})));
+}
+
+struct Crafted {
+  const char* name;
+  std::function<Pickle()> pickle;
+  const char* condition;  // what the refusal must say
+};
+
+TEST(CraftedPickles, AreRefusedNamingTheFileAndTheCondition) {
+  const auto with = [](const std::function<void(TensorSpec&)>& change) {
+    return [change] {
+      TensorSpec t;
+      change(t);
+      return tensor_dict(t);
+    };
+  };
+  const std::vector<Crafted> cases = {
+      // Tensors and storages: LibTorch sizes a storage by the pickle and never by its entry.
+      {"a storage larger than its entry", with([](TensorSpec& t) { t.elements = 17; }),
+       "gives storage data/0 17 elements of 4 bytes, but its entry holds 64 bytes"},
+      {"a bfloat16 storage larger than its entry", with([](TensorSpec& t) {
+         t.storage_type = "BFloat16Storage";
+         t.elements = 33;
+       }),
+       "33 elements of 2 bytes, but its entry holds 64 bytes"},
+      {"a view past its storage's end", with([](TensorSpec& t) { t.offset = 1; }),
+       "reaches element 16 of a storage of 16"},
+      {"strides past the storage's end", with([](TensorSpec& t) { t.strides = {5, 1}; }),
+       "reaches element 18 of a storage of 16"},
+      {"a negative stride", with([](TensorSpec& t) { t.strides = {4, -1}; }), "negative size or stride"},
+      {"sizes whose extent overflows", with([](TensorSpec& t) {
+         t.sizes = {int64_t(1) << 40, int64_t(1) << 40};
+         t.strides = {int64_t(1) << 40, 1};
+       }),
+       "reaches past element 2^63 of a storage of 16"},
+      {"a storage the archive does not hold", with([](TensorSpec& t) { t.key = "7"; }),
+       "names storage data/7, which the archive does not hold"},
+      {"a storage type that is not one", with([](TensorSpec& t) { t.storage_type = "Storage"; }),
+       "names torch.Storage, which a weights file does not hold"},
+      {"a persistent id of another form",
+       [] {
+         Pickle p;
+         return p.op('(').string("storage").integer(6).string("0").string("cpu").integer(16).op('t').op('Q').stop();
+       },
+       "persistent id other than ('storage', torch.<type>Storage, key, location, elements)"},
+      // The stack, marks and memo.
+      {"TUPLE3 on a stack of one (crashed LibTorch 1.13)", [] { return Pickle().integer(1).op('\x87').stop(); },
+       "TUPLE3 needs 3 values on the stack, and there is 1"},
+      {"TUPLE2 reaching below its MARK",
+       [] { return Pickle().integer(1).op('(').integer(2).op('\x86').op('t').stop(); },
+       "TUPLE2 needs 2 values above its MARK, and there is 1"},
+      {"TUPLE with no MARK", [] { return Pickle().integer(1).op('t').stop(); }, "TUPLE closes a MARK where none is open"},
+      {"a DICT of an odd count",
+       [] { return Pickle().op('(').string("k").integer(1).string("j").op('d').stop(); },
+       "DICT gives a key without a value"},
+      {"SETITEMS of an odd count",
+       [] { return Pickle().op('}').op('(').string("k").op('u').stop(); }, "SETITEMS gives a key without a value"},
+      {"a GET with no PUT", [] { return Pickle().get(9).stop(); }, "GET names memo entry 9, which no PUT made"},
+      {"a PUT of entry 2^32 - 1 (LibTorch would size its memo for it)",
+       [] { return Pickle().integer(1).op('r').little_endian(0xFFFFFFFFu, 4).stop(); },
+       "PUT names memo entry 4294967295"},
+      {"a PUT on an empty stack", [] { return Pickle().put(0).integer(1).stop(); }, "PUT finds nothing on the stack"},
+      // Containers: deep nesting (destroying it recurses), cycles, and changes after placement.
+      {"tuples nested 300 deep",
+       [] {
+         Pickle p;
+         p.integer(1);
+         for (int i = 0; i < 300; ++i) p.op('\x85');
+         return p.stop();
+       },
+       "nests containers more than 200 deep"},
+      {"a list inside itself", [] { return Pickle().op(']').put(0).get(0).op('a').stop(); },
+       "APPEND puts a container inside itself"},
+      {"a dict changed after it was placed in another",
+       [] {
+         return Pickle().op('}').string("a").op('}').put(1).op('s').get(1).string("b").op('N').op('s').stop();
+       },
+       "SETITEM changes a container already inside another"},
+      {"items added to a number", [] { return Pickle().integer(1).op('(').integer(2).op('e').stop(); },
+       "APPENDS adds items to something that is not a list or dict"},
+      // Globals and calls.
+      {"a global that is not plain data", [] { return Pickle().global("os", "system").stop(); },
+       "names os.system, which a weights file does not hold"},
+      {"a storage type called as a function",
+       [] { return Pickle().global("torch", "FloatStorage").op(')').op('R').stop(); },
+       "REDUCE calls something that is not a function"},
+      {"an OrderedDict built from arguments",
+       [] { return Pickle().global("collections", "OrderedDict").op('(').integer(1).op('\x85').op('t').op('R').stop(); },
+       "builds an OrderedDict from arguments"},
+      {"BUILD on a plain dict", [] { return Pickle().op('}').op('}').op('b').stop(); },
+       "BUILD gives attributes to something other than an OrderedDict"},
+      {"NEWOBJ", [] { return Pickle().global("collections", "OrderedDict").op(')').op('\x81').stop(); },
+       "NEWOBJ makes an object"},
+      // The pickle as a whole.
+      {"no STOP", [] { return Pickle().integer(1); }, "runs past the end of the pickle"},
+      {"a string past the end", [] { return Pickle().op('X').little_endian(1000, 4).raw("abc"); },
+       "runs past the end of the pickle"},
+      {"two values at STOP", [] { return Pickle().integer(1).integer(2).stop(); }, "ends with 2 values where one belongs"},
+      {"a MARK open at STOP", [] { return Pickle().integer(1).op('(').stop(); }, "ends with a MARK still open"},
+      {"an opcode torch.save does not write", [] { return Pickle().op('S').raw("'a'\n").stop(); }, "opcode 0x53"},
+      {"pickle protocol 4", [] { return Pickle{std::string("\x80\x04", 2)}.integer(1).stop(); }, "pickle protocol 4"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    EXPECT_THAT([&] { read(c.pickle()); },
+                ThrowsMessage<c10::Error>(AllOf(HasSubstr("crafted.pt: data.pkl"), HasSubstr(c.condition))));
+  }
+}
+
+// Two directory entries of one name: what LibTorch reads and what was checked could differ.
+TEST(CraftedPickles, AnArchiveWithTwoEntriesOfOneNameIsRefused) {
+  auto bytes = archive(tensor_dict({}).bytes, /*second_storage=*/true);
+  // data/1 renamed data/0 in its local header and the directory: the same length, so offsets
+  // stay right, and CRCs cover contents, not names.
+  const std::string from = "/data/1", to = "/data/0";
+  int renamed = 0;
+  for (size_t at = 0; at + from.size() <= bytes.size(); ++at) {
+    if (std::memcmp(bytes.data() + at, from.data(), from.size()) == 0) {
+      std::memcpy(bytes.data() + at, to.data(), to.size());
+      ++renamed;
+    }
+  }
+  ASSERT_EQ(renamed, 2);
+  EXPECT_THAT([&] { qkv::read_tensor_dict(bytes, "twice.pt"); },
+              ThrowsMessage<c10::Error>(AllOf(HasSubstr("twice.pt: entry "), HasSubstr("/data/0 appears twice"))));
+}
+
+}  // namespace pickle_reader_test
