@@ -69,12 +69,15 @@ TEST(StateDict, ADictOfOneEntryIsRead) {
 }
 
 // What torch.save writes beyond contiguous float32 tensors in a plain dict
-// (scripts/gen_reference.py pickle_variants_case): views into a larger storage, two tensors over
-// one storage, stride 0, no dimensions, no elements, five more dtypes, an nn.Parameter, nested
-// containers of one item, and plain values. Every tensor there is made from torch.arange, so the
-// expected values are computed here, independently of the file.
-TEST(WeightsFromPython, EveryKindOfValueTorchSaveWritesReadsAsPythonWroteIt) {
-  const auto path = qkv_test::data_path("interop_pickle_variants.pt");
+// (scripts/gen_reference.py pickle_variants_case), by PyTorch 1.13 and by PyTorch 2.14 (which
+// adds the entries byteorder and .data/serialization_id): views into a larger storage, two
+// tensors over one storage, stride 0, no dimensions, no elements, five more dtypes, an
+// nn.Parameter, nested containers of one item, and plain values. Every tensor there is made from
+// torch.arange, so the expected values are computed here, independently of the file.
+class WeightsFromPython : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(WeightsFromPython, EveryKindOfValueTorchSaveWritesReadsAsPythonWroteIt) {
+  const auto path = qkv_test::data_path(GetParam());
   const auto dict =
       qkv::detail::read_torch_file(qkv::detail::read_file_bytes(path, "test"), path, "test").toGenericDict();
   const auto arange = [](int64_t n, torch::Dtype dtype = torch::kFloat) { return torch::arange(n).to(dtype); };
@@ -122,6 +125,12 @@ TEST(WeightsFromPython, EveryKindOfValueTorchSaveWritesReadsAsPythonWroteIt) {
   EXPECT_EQ(keys.back(), "plain");
   EXPECT_EQ(keys.size(), 16u);
 }
+
+INSTANTIATE_TEST_SUITE_P(TorchSave, WeightsFromPython,
+                         ::testing::Values("interop_pickle_variants.pt", "interop_pickle_variants_torch2.pt"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return info.index == 0 ? std::string("PyTorch1_13") : std::string("PyTorch2_14");
+                         });
 
 TEST(StateDict, SavedFileReadsBackWithTheDocumentsKeys) {
   torch::manual_seed(3);
