@@ -6,8 +6,10 @@
 // entry's CRC-32 and stops there, so the pickle and the tensors behind it were seldom reached
 // (once in 1.3 million runs). The other mutation therefore reads the archive, mutates one entry's
 // contents (most often the pickle) and writes the archive again with LibTorch's writer, CRCs and
-// offsets right: what a crafted file, or a writer with a bug, would hand the unpickler and
-// load_state_dict's checks.
+// offsets right: what a crafted file, or a writer with a bug, would hand the pickle's reader and
+// load_state_dict's checks. Within seconds it found LibTorch 1.13's unpickler writing through a
+// wild pointer (tests/data/fuzz_regressions/weights_pickle_tuple3_on_a_short_stack.pt), which led
+// to qkv reading the pickle itself (src/pickle_reader.cpp).
 #include "archive_integrity.h"
 
 #include <qkv/qkv.h>

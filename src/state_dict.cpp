@@ -8,7 +8,6 @@
 
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <sstream>
 
 namespace qkv {
@@ -49,7 +48,7 @@ std::map<std::string, torch::Tensor> read_tensor_dict(const std::vector<char>& b
   // model.state_dict()) reads as a dict.
   const c10::IValue value = detail::read_torch_file(bytes, path, "load_state_dict");
   TORCH_CHECK(value.isGenericDict(), "load_state_dict: ", path, " holds a ", value.tagKind(),
-              "; expected a dict of tensors as written by torch.save(dict(model.state_dict()), path)");
+              "; expected a dict of tensors as written by torch.save(model.state_dict(), path)");
   std::map<std::string, torch::Tensor> tensors;
   std::vector<std::string> not_tensors;
   for (const auto& entry : value.toGenericDict()) {

@@ -137,8 +137,8 @@ int main(int argc, char** argv) {
   try {
     if (inspect->parsed()) {
       const auto tensors = qkv::read_tensor_dict(in);
-      std::printf("%s: %s layout, %zu tensors\n", in.c_str(), qkv::to_string(qkv::detect_layout(tensors)),
-                  tensors.size());
+      std::printf("%s: %s layout, %zu tensor%s\n", in.c_str(), qkv::to_string(qkv::detect_layout(tensors)),
+                  tensors.size(), tensors.size() == 1 ? "" : "s");
       for (const auto& [key, tensor] : tensors) {
         std::ostringstream shape;
         shape << tensor.sizes();
