@@ -101,7 +101,15 @@ class PickleMachine {
       opcode_at_ = position_;
       const unsigned char opcode = read_byte();
       if (opcode == '.') break;  // STOP
-      step(opcode);
+      try {
+        step(opcode);
+      } catch (const c10::Error& e) {
+        if (failing_) throw;
+        // LibTorch's own refusals on the way, placed in the file.
+        fail(std::string("is refused by LibTorch (") + e.what_without_backtrace() + ")");
+      } catch (const std::exception& e) {  // e.g. a list as a dict key: std::runtime_error "Can't hash ..."
+        fail(std::string("is refused by LibTorch (") + e.what() + ")");
+      }
     }
     if (frames_.size() != 1) fail("ends with a MARK still open");
     if (frames_[0].size() != 1) fail("ends with " + std::to_string(frames_[0].size()) + " values where one belongs");
@@ -109,14 +117,15 @@ class PickleMachine {
   }
 
  private:
-  [[noreturn]] void fail(const std::string& what) const {
+  [[noreturn]] void fail(const std::string& what) {
+    failing_ = true;
     TORCH_CHECK(false, where_, " ", what, " at byte ", opcode_at_,
                 "; the file is corrupt or was not written by torch.save");
   }
   bool reading() const { return use_ == Use::Read; }
 
   // --- input ---
-  void need(uint64_t n) const {
+  void need(uint64_t n) {
     if (n > size_ - position_) fail("runs past the end of the pickle");
   }
   unsigned char read_byte() {
@@ -536,6 +545,7 @@ class PickleMachine {
   }
 
   Use use_;
+  bool failing_ = false;  // fail() threw: its error passes run()'s catch unchanged
   const unsigned char* data_;
   size_t size_;
   size_t position_ = 0, opcode_at_ = 0;

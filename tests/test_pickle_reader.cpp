@@ -183,6 +183,8 @@ TEST(CraftedPickles, AreRefusedNamingTheFileAndTheCondition) {
        "SETITEM changes a container already inside another"},
       {"items added to a number", [] { return Pickle().integer(1).op('(').integer(2).op('e').stop(); },
        "APPENDS adds items to something that is not a list or dict"},
+      {"a list as a dict key", [] { return Pickle().op('}').op(']').integer(1).op('s').stop(); },
+       "is refused by LibTorch (Can't hash"},  // LibTorch's own refusal, placed in the file
       // Globals and calls.
       {"a global that is not plain data", [] { return Pickle().global("os", "system").stop(); },
        "names os.system, which a weights file does not hold"},
