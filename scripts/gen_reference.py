@@ -275,8 +275,10 @@ def pickle_variants_case():
     variants["plain"] = [1, -2, 70000, -(2 ** 40), 2.5, "text", True, False, None, (1, 2)]
     if torch.__version__.startswith("1."):
         torch.save(variants, os.path.join(DATA, "interop_pickle_variants.pt"))
+        # pickle_protocol=4: FRAME, MEMOIZE, SHORT_BINUNICODE, STACK_GLOBAL instead of protocol 2's opcodes
+        torch.save(variants, os.path.join(DATA, "interop_pickle_variants_protocol4.pt"), pickle_protocol=4)
         torch.save({"W": arange(4)}, os.path.join(DATA, "interop_one_entry.pt"))
-        print("wrote tests/data/interop_pickle_variants.pt, interop_one_entry.pt")
+        print("wrote tests/data/interop_pickle_variants.pt, interop_pickle_variants_protocol4.pt, interop_one_entry.pt")
     else:  # PyTorch 2.x writes more entries (byteorder, .data/serialization_id): run in the sid chroot
         torch.save(variants, os.path.join(DATA, "interop_pickle_variants_torch2.pt"))
         print("wrote tests/data/interop_pickle_variants_torch2.pt")

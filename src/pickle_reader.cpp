@@ -95,7 +95,11 @@ class PickleMachine {
   ValuePtr run() {
     frames_.emplace_back();
     if (size_ < 2 || data_[0] != 0x80) fail("does not start with a pickle's PROTO opcode");
-    if (data_[1] != 2) fail("is pickle protocol " + std::to_string(data_[1]) + "; torch.save writes protocol 2");
+    // torch.save writes protocol 2 unless given pickle_protocol=; LibTorch reads only 2.
+    const int highest = reading() ? 5 : 2;
+    if (data_[1] < 2 || data_[1] > highest) {
+      fail("is pickle protocol " + std::to_string(data_[1]) + "; expected 2" + (reading() ? " to 5" : ""));
+    }
     position_ = 2;
     while (true) {
       opcode_at_ = position_;
@@ -235,9 +239,7 @@ class PickleMachine {
   }
 
   // --- globals, storages, tensors ---
-  void global() {
-    const auto module = read_line();
-    const auto name = read_line();
+  void global(const std::string& module, const std::string& name) {
     auto g = make(Value::Kind::Global);
     g->text = module + "." + name;
     // LibTorch pushes a function for every global but torch's storage types and quantization
@@ -390,6 +392,7 @@ class PickleMachine {
   }
 
   void step(unsigned char opcode) {
+    if (!reading() && opcode >= 0x8c && opcode <= 0x95) fail("has a protocol 4 opcode, which LibTorch does not read");
     switch (opcode) {
       case '(':  // MARK
         frames_.emplace_back();
@@ -440,8 +443,10 @@ class PickleMachine {
         push(std::move(v));
         break;
       }
-      case 'X': {  // BINUNICODE
-        const uint64_t length = read_little_endian(4);
+      case 'X':      // BINUNICODE
+      case 0x8c:     // SHORT_BINUNICODE (protocol 4)
+      case 0x8d: {   // BINUNICODE8 (protocol 4)
+        const uint64_t length = read_little_endian(opcode == 'X' ? 4 : opcode == 0x8c ? 1 : 8);
         need(length);
         auto v = make(Value::Kind::String);
         v->text.assign(reinterpret_cast<const char*>(data_ + position_), length);
@@ -512,8 +517,26 @@ class PickleMachine {
       case 'j':  // LONG_BINGET
         get(read_little_endian(4));
         break;
-      case 'c':  // GLOBAL
-        global();
+      case 'c': {  // GLOBAL
+        const auto module = read_line();
+        const auto name = read_line();
+        global(module, name);
+        break;
+      }
+      case 0x93: {  // STACK_GLOBAL (protocol 4): module and name from the stack
+        require(2, "STACK_GLOBAL");
+        const auto name = pop(), module = pop();
+        if (module->kind != Value::Kind::String || name->kind != Value::Kind::String) {
+          fail("STACK_GLOBAL names a global with something other than two strings");
+        }
+        global(module->text, name->text);
+        break;
+      }
+      case 0x94:  // MEMOIZE (protocol 4): PUT with the next free id
+        put(memo_.size());
+        break;
+      case 0x95:  // FRAME (protocol 4): the length of what follows, for buffered reading
+        read_little_endian(8);
         break;
       case 0x81:  // NEWOBJ: LibTorch drops the (empty) arguments and keeps the class for BUILD
         if (reading()) fail("NEWOBJ makes an object, which a weights file does not hold");

@@ -205,7 +205,13 @@ TEST(CraftedPickles, AreRefusedNamingTheFileAndTheCondition) {
       {"two values at STOP", [] { return Pickle().integer(1).integer(2).stop(); }, "ends with 2 values where one belongs"},
       {"a MARK open at STOP", [] { return Pickle().integer(1).op('(').stop(); }, "ends with a MARK still open"},
       {"an opcode torch.save does not write", [] { return Pickle().op('S').raw("'a'\n").stop(); }, "opcode 0x53"},
-      {"pickle protocol 4", [] { return Pickle{std::string("\x80\x04", 2)}.integer(1).stop(); }, "pickle protocol 4"},
+      {"pickle protocol 6", [] { return Pickle{std::string("\x80\x06", 2)}.integer(1).stop(); },
+       "is pickle protocol 6; expected 2 to 5"},
+      {"STACK_GLOBAL of a number", [] { return Pickle().string("os").integer(1).raw("\x93").stop(); },
+       "STACK_GLOBAL names a global with something other than two strings"},
+      {"STACK_GLOBAL of a global that is not plain data",
+       [] { return Pickle().string("os").string("system").raw("\x93").stop(); },
+       "names os.system, which a weights file does not hold"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);

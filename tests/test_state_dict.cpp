@@ -69,8 +69,8 @@ TEST(StateDict, ADictOfOneEntryIsRead) {
 }
 
 // What torch.save writes beyond contiguous float32 tensors in a plain dict
-// (scripts/gen_reference.py pickle_variants_case), by PyTorch 1.13 and by PyTorch 2.14 (which
-// adds the entries byteorder and .data/serialization_id): views into a larger storage, two
+// (scripts/gen_reference.py pickle_variants_case), by PyTorch 1.13 (also with pickle_protocol=4)
+// and by PyTorch 2.14 (which adds the entries byteorder and .data/serialization_id): views into a larger storage, two
 // tensors over one storage, stride 0, no dimensions, no elements, five more dtypes, an
 // nn.Parameter, nested containers of one item, and plain values. Every tensor there is made from
 // torch.arange, so the expected values are computed here, independently of the file.
@@ -126,11 +126,15 @@ TEST_P(WeightsFromPython, EveryKindOfValueTorchSaveWritesReadsAsPythonWroteIt) {
   EXPECT_EQ(keys.size(), 16u);
 }
 
+std::string writer_name(const ::testing::TestParamInfo<const char*>& info) {
+  static const char* const names[] = {"PyTorch1_13", "PyTorch2_14", "PyTorch1_13PickleProtocol4"};
+  return names[info.index];
+}
+
 INSTANTIATE_TEST_SUITE_P(TorchSave, WeightsFromPython,
-                         ::testing::Values("interop_pickle_variants.pt", "interop_pickle_variants_torch2.pt"),
-                         [](const ::testing::TestParamInfo<const char*>& info) {
-                           return info.index == 0 ? std::string("PyTorch1_13") : std::string("PyTorch2_14");
-                         });
+                         ::testing::Values("interop_pickle_variants.pt", "interop_pickle_variants_torch2.pt",
+                                           "interop_pickle_variants_protocol4.pt"),
+                         writer_name);
 
 TEST(StateDict, SavedFileReadsBackWithTheDocumentsKeys) {
   torch::manual_seed(3);
