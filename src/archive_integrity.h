@@ -8,6 +8,9 @@
 
 namespace qkv::detail {
 
+/// The CRC-32 that zip records for an entry (IEEE 802.3; zlib's crc32).
+uint32_t crc32(const unsigned char* data, size_t size);
+
 /// One entry of the archive's directory, as verify_torch_archive found it.
 struct ArchiveEntry {
   std::string name;            // the whole name, "<archive>/data/0"

@@ -156,6 +156,27 @@ class GuardedBuffer {
   size_t size_ = 0;
 };
 
+// The archive check's CRC-32 (eight bytes a step) against zlib's: the standard check value and
+// Python's zlib.crc32 of a fixed buffer at every kind of length (whole steps, tails of 1 to 7
+// bytes) and an unaligned start.
+TEST(ArchiveIntegrity, Crc32IsZlibs) {
+  const std::string check = "123456789";
+  EXPECT_EQ(qkv::detail::crc32(reinterpret_cast<const unsigned char*>(check.data()), check.size()), 0xCBF43926u);
+  std::vector<unsigned char> buffer(size_t(1) << 20);
+  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<unsigned char>((i * 31 + 7) % 251);
+  const std::vector<std::pair<size_t, uint32_t>> from_start = {
+      {0, 0x0u},          {1, 0x4c667a2eu},    {7, 0x3e483922u},    {8, 0xa7560428u},         {9, 0xe07dd56au},
+      {15, 0x72ab2a5eu},  {16, 0xa6c1963du},   {17, 0xfdcb529cu},   {1000, 0x711ebe2bu},      {1 << 20, 0x31bd5f80u}};
+  for (const auto& [length, expected] : from_start) {
+    EXPECT_EQ(qkv::detail::crc32(buffer.data(), length), expected) << length << " bytes";
+  }
+  const std::vector<std::pair<size_t, uint32_t>> from_byte_3 = {
+      {5, 0xfd6bb23cu}, {8, 0xffd14ef0u}, {13, 0xd7d2106fu}, {4096, 0xc246925du}};
+  for (const auto& [length, expected] : from_byte_3) {
+    EXPECT_EQ(qkv::detail::crc32(buffer.data() + 3, length), expected) << length << " bytes from byte 3";
+  }
+}
+
 TEST(ArchiveIntegrity, Zip64LocatorOffsetsNear2To64AreRefusedWithoutReadingOutside) {
   // A real weights file whose zip64 locator is made to point 16 bytes before the buffer: the
   // offset 2^64 - 16, for which `offset + 56 <= end` wrapped around and passed.
