@@ -121,7 +121,7 @@ def record(case, module, inputs, config, out, weights, target, extra=None):
     fixture["expected.loss"] = loss.detach().clone()
     fixture.update(extra or {})
     path = os.path.join(DATA, "parity_%s.pt" % case)
-    torch.save(fixture, path)  # a plain dict: LibTorch's pickle_load reads it
+    torch.save(fixture, path)  # a plain dict of tensors and numbers (read by src/pickle_reader.cpp)
     print("wrote %s (loss %.6f)" % (os.path.relpath(path), loss.item()))
 
 

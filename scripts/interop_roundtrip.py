@@ -29,8 +29,8 @@ from seed_example import SelfAttention  # noqa: E402
 
 
 def inputs(query):
-    # Two entries: LibTorch 1.13's unpickler lacks the opcode Python uses for one-entry dicts.
-    return {"query": query, "note": "qkv-weights forward input"}
+    # One entry: Python pickles it with SETITEM, which LibTorch 1.13's unpickler lacked (qkv reads it).
+    return {"query": query}
 
 
 def run(*command):
