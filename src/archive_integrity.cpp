@@ -135,9 +135,9 @@ std::vector<ArchiveEntry> verify_torch_archive(const char* data, size_t size, co
     TORCH_CHECK(method != 0 || crc32(bytes + payload, stored_size) == expected_crc, path, ": entry ", name,
                 " fails its CRC-32 check; the file is corrupt (bit errors or a partial write)");
     // The reader finds an entry by name: with two of one name, what it reads and what was checked
-    // (the pickle's storages against their entries' sizes, pickle_check.h) could differ.
+    // (the pickle's storages against their entries' sizes, pickle_reader.h) could differ.
     TORCH_CHECK(names.insert(name).second, path, ": entry ", name, " appears twice; the file is corrupt");
-    found_entries.push_back({name, uncompressed_size, method != 0});
+    found_entries.push_back({name, uncompressed_size});
   }
   return found_entries;
 }

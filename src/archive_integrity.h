@@ -13,9 +13,8 @@ uint32_t crc32(const unsigned char* data, size_t size);
 
 /// One entry of the archive's directory, as verify_torch_archive found it.
 struct ArchiveEntry {
-  std::string name;            // the whole name, "<archive>/data/0"
-  uint64_t size = 0;           // its contents' size, uncompressed
-  bool compressed = false;     // deflated (TorchScript's code); torch.save stores everything
+  std::string name;   // the whole name, "<archive>/data/0"
+  uint64_t size = 0;  // its contents' size, uncompressed
 };
 
 /// Checks that an archive written by torch.save / torch::save (a zip file) is whole: its records

@@ -45,7 +45,6 @@ struct Value {
   bool contained = false;       // List, Dict: placed inside another value, so finished
   bool function = false;        // Global: LibTorch pushes a function for it (not a value)
   bool ordered_dict = false;    // Dict: made by collections.OrderedDict (BUILD may give it attributes)
-  at::ScalarType storage_type = at::kByte;  // Storage
   c10::IValue ivalue;           // Read: the value itself
 };
 
@@ -275,7 +274,6 @@ class PickleMachine {
     }
     auto storage = make(Value::Kind::Storage);
     storage->integer = elements;
-    storage->storage_type = type;
     if (reading()) {
       // Every tensor over one key shares one storage, as in Python. Loaded to the CPU wherever it
       // was saved (a GPU's weights load on a machine without one); the module's parameters then
