@@ -18,10 +18,11 @@ if [[ ! -f "$build/CMakeCache.txt" ]]; then
     -DCMAKE_UNITY_BUILD="${QKV_UNITY_BUILD:-ON}" \
     -DQKV_FUZZ=ON -DQKV_BUILD_TESTS=OFF -DQKV_INSTALL=OFF -DQKV_SANITIZE=address,fuzzer-no-link > /dev/null
 fi
-targets=(${QKV_FUZZ_TARGETS:-fuzz_weights_loader fuzz_train_options fuzz_backends})
+targets=(${QKV_FUZZ_TARGETS:-fuzz_weights_loader fuzz_checkpoint_loader fuzz_train_options fuzz_backends})
 cmake --build "$build" --target "${targets[@]}"
 export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
-declare -A seeds=([fuzz_weights_loader]=weights [fuzz_train_options]=options [fuzz_backends]=backends)
+declare -A seeds=([fuzz_weights_loader]=weights [fuzz_checkpoint_loader]=checkpoints [fuzz_train_options]=options
+                 [fuzz_backends]=backends)
 cd "$build"
 for target in "${targets[@]}"; do
   corpus="$build/corpus-$target"

@@ -3,11 +3,11 @@
 // a subset). Python's rules throughout: a MARK opens a frame, and nothing below it can be popped
 // until an opcode closes it; a GET needs a PUT; STOP leaves exactly one value.
 //
-// Two uses. Reading a weights file (Read): Python's meaning of every opcode, building IValues.
-// Checking a TorchScript archive for LibTorch (Verify): LibTorch's meaning where it differs
-// (NEWOBJ keeps the class, BUILD calls it like REDUCE), building nothing, tracking values only as
-// far as the checks need: small integers and strings (a storage's entry, a tensor's offset, sizes
-// and strides), globals, and how deep containers nest.
+// Two uses, both with Python's meaning of every opcode. A weights file (Weights) holds plain data
+// and tensors. A torch::serialize archive (Archive: qkv-train's checkpoints) holds TorchScript
+// objects besides: GLOBAL __torch__.<class>, an empty tuple and NEWOBJ make one, BUILD gives it a
+// dict of attributes. They are read as ArchiveObjects, whose class is never looked up: the class
+// definitions TorchScript's importer would compile from the archive's code/ are not read at all.
 #include "pickle_reader.h"
 
 #include <ATen/ATen.h>
@@ -30,22 +30,23 @@ namespace {
 // shallow enough that destroying the nested IValues, which recurses, fits a small thread stack.
 constexpr int kMaxNesting = 200;
 
-enum class Use { Read, Verify };
+enum class Use { Weights, Archive };
 
 struct Value;
 using ValuePtr = std::shared_ptr<Value>;
 
 struct Value {
-  enum class Kind { None, Bool, Int, Float, String, Tuple, List, Dict, Global, Storage, Tensor, Other };
-  Kind kind = Kind::Other;
+  enum class Kind { None, Bool, Int, Float, String, Tuple, List, Dict, Global, Class, Object, Storage, Tensor };
+  Kind kind = Kind::None;
   int64_t integer = 0;          // Int; Storage: its elements
-  std::string text;             // String; Global: "module.name"
-  std::vector<ValuePtr> items;  // Tuple
+  std::string text;             // String; Global, Class: "module.name"
+  std::vector<ValuePtr> items;  // Tuple: its items; Dict: keys and values, alternating
   int nesting = 1;              // containers inside containers, itself included
-  bool contained = false;       // List, Dict: placed inside another value, so finished
-  bool function = false;        // Global: LibTorch pushes a function for it (not a value)
+  bool contained = false;       // List, Dict, Object: placed inside another value, so finished
+  bool function = false;        // Global: callable (a storage type is not)
   bool ordered_dict = false;    // Dict: made by collections.OrderedDict (BUILD may give it attributes)
-  c10::IValue ivalue;           // Read: the value itself
+  std::shared_ptr<ArchiveObject> object;  // Object: null until BUILD gives it its attributes
+  c10::IValue ivalue;           // the value itself (not for Class and Object)
 };
 
 ValuePtr make(Value::Kind kind) {
@@ -69,6 +70,55 @@ const std::map<std::string, at::ScalarType>& storage_types() {
 bool is_storage_type(const Value& v) { return v.kind == Value::Kind::Global && storage_types().count(v.text) > 0; }
 
 bool is_type_tag(const std::string& global) { return global.rfind("torch.jit._pickle.", 0) == 0; }
+
+bool word_character(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
+// `text` as a message can show it: printable ASCII as it is, other bytes as \xNN, at most 64.
+std::string printable(const std::string& text) {
+  std::string out;
+  for (size_t i = 0; i < text.size() && i < 64; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out += static_cast<char>(c);
+    } else {
+      static const char* const hex = "0123456789abcdef";
+      out += std::string("\\x") + hex[c >> 4] + hex[c & 15];
+    }
+  }
+  return text.size() > 64 ? out + "..." : out;
+}
+
+// A TorchScript class of an archive: __torch__.Module, __torch__.___torch_mangle_7.Module, ...
+bool is_archive_class(const std::string& module, const std::string& name) {
+  const auto word = [](const std::string& w) {
+    return !w.empty() && std::all_of(w.begin(), w.end(), [](char c) { return word_character(c); });
+  };
+  if (module != "__torch__" && module.rfind("__torch__.", 0) != 0) return false;
+  std::stringstream parts(module);
+  for (std::string part; std::getline(parts, part, '.');) {
+    if (!word(part)) return false;
+  }
+  return word(name);
+}
+
+// The attribute names LibTorch's writer prints as they are into the class definitions it writes
+// (TorchScript source) when the archive is written again: names of modules, parameters and
+// optimizer state ("W_q", "0", "param_groups/size", "0x55d0c4a0b2f0", "_growth_tracker"). Nothing
+// that could end a string or a line there, no __dunder__ that TorchScript reads itself, no keyword.
+bool is_archive_attribute_name(const std::string& name) {
+  static const char* const keywords[] = {
+      "False", "None",   "True",    "and",      "as",   "assert", "async",  "await",  "break",
+      "class", "continue", "def",   "del",      "elif", "else",   "except", "finally", "for",
+      "from",  "global", "if",      "import",   "in",   "is",     "lambda", "nonlocal", "not",
+      "or",    "pass",   "raise",   "return",   "try",  "while",  "with",   "yield"};
+  if (name.empty() || name.size() > 256 || name.rfind("__", 0) == 0) return false;
+  if (!std::all_of(name.begin(), name.end(), [](char c) { return word_character(c) || c == '/'; })) {
+    return false;
+  }
+  return std::none_of(std::begin(keywords), std::end(keywords), [&](const char* k) { return name == k; });
+}
 
 // The globals a weights file may name (besides the storage types).
 bool weights_global(const std::string& name) {
@@ -94,11 +144,8 @@ class PickleMachine {
   ValuePtr run() {
     frames_.emplace_back();
     if (size_ < 2 || data_[0] != 0x80) fail("does not start with a pickle's PROTO opcode");
-    // torch.save writes protocol 2 unless given pickle_protocol=; LibTorch reads only 2.
-    const int highest = reading() ? 5 : 2;
-    if (data_[1] < 2 || data_[1] > highest) {
-      fail("is pickle protocol " + std::to_string(data_[1]) + "; expected 2" + (reading() ? " to 5" : ""));
-    }
+    // torch.save writes protocol 2 unless given pickle_protocol=.
+    if (data_[1] < 2 || data_[1] > 5) fail("is pickle protocol " + std::to_string(data_[1]) + "; expected 2 to 5");
     position_ = 2;
     while (true) {
       opcode_at_ = position_;
@@ -116,16 +163,19 @@ class PickleMachine {
     }
     if (frames_.size() != 1) fail("ends with a MARK still open");
     if (frames_[0].size() != 1) fail("ends with " + std::to_string(frames_[0].size()) + " values where one belongs");
-    return frames_[0][0];
+    const auto& result = frames_[0][0];
+    if (use_ == Use::Archive && (result->kind != Value::Kind::Object || !result->object)) {
+      fail("holds something other than an archive's object");
+    }
+    return result;
   }
 
  private:
   [[noreturn]] void fail(const std::string& what) {
     failing_ = true;
-    TORCH_CHECK(false, where_, " ", what, " at byte ", opcode_at_,
-                "; the file is corrupt or was not written by torch.save");
+    TORCH_CHECK(false, where_, " ", what, " at byte ", opcode_at_, "; the file is corrupt or was not written by ",
+                use_ == Use::Weights ? "torch.save" : "LibTorch's torch::serialize::OutputArchive");
   }
-  bool reading() const { return use_ == Use::Read; }
 
   // --- input ---
   void need(uint64_t n) {
@@ -184,20 +234,20 @@ class PickleMachine {
     std::vector<c10::IValue> elements;
     for (const auto& item : items) {
       contain(*t, item);
-      if (reading()) elements.push_back(item->ivalue);
+      elements.push_back(item->ivalue);
     }
-    if (reading()) t->ivalue = c10::ivalue::Tuple::create(std::move(elements));
+    t->ivalue = c10::ivalue::Tuple::create(std::move(elements));
     t->items = std::move(items);
     return t;
   }
   ValuePtr new_list() {
     auto list = make(Value::Kind::List);
-    if (reading()) list->ivalue = c10::impl::GenericList(c10::AnyType::get());
+    list->ivalue = c10::impl::GenericList(c10::AnyType::get());
     return list;
   }
   ValuePtr new_dict() {
     auto dict = make(Value::Kind::Dict);
-    if (reading()) dict->ivalue = c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get());
+    dict->ivalue = c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get());
     return dict;
   }
   // APPEND(S), SETITEM(S), DICT, LIST: `items` go into the list or dict `target`.
@@ -205,14 +255,13 @@ class PickleMachine {
     // Writers finish a container before placing it in another; changing it afterwards could
     // nest deeper than the depth counted here (and is how a container could hold itself).
     if (target.contained) fail(std::string(opcode) + " changes a container already inside another");
-    if (reading() && target.kind != Value::Kind::List && target.kind != Value::Kind::Dict) {
+    if (target.kind != Value::Kind::List && target.kind != Value::Kind::Dict) {
       fail(std::string(opcode) + " adds items to something that is not a list or dict");
     }
     for (const auto& item : items) {
       if (item.get() == &target) fail(std::string(opcode) + " puts a container inside itself");
       contain(target, item);
     }
-    if (!reading()) return;
     if (target.kind == Value::Kind::List) {
       auto list = target.ivalue.toList();
       for (const auto& item : items) list.push_back(item->ivalue);
@@ -220,6 +269,7 @@ class PickleMachine {
       if (items.size() % 2 != 0) fail(std::string(opcode) + " gives a dict a key without a value");
       auto dict = target.ivalue.toGenericDict();
       for (size_t i = 0; i < items.size(); i += 2) dict.insert_or_assign(items[i]->ivalue, items[i + 1]->ivalue);
+      target.items.insert(target.items.end(), items.begin(), items.end());  // for BUILD of an archive's object
     }
   }
 
@@ -239,13 +289,19 @@ class PickleMachine {
 
   // --- globals, storages, tensors ---
   void global(const std::string& module, const std::string& name) {
+    if (use_ == Use::Archive && is_archive_class(module, name)) {
+      auto c = make(Value::Kind::Class);
+      c->text = module + "." + name;
+      push(std::move(c));
+      return;
+    }
     auto g = make(Value::Kind::Global);
     g->text = module + "." + name;
-    // LibTorch pushes a function for every global but torch's storage types and quantization
-    // schemes, which it pushes as values (a scalar type, a scheme).
-    g->function = !(module == "torch" && name != "device");
-    if (reading() && !is_storage_type(*g) && !weights_global(g->text)) {
-      fail("names " + g->text + ", which a weights file does not hold (dicts, lists, numbers, strings and tensors)");
+    g->function = !is_storage_type(*g);
+    if (!is_storage_type(*g) && !weights_global(g->text)) {
+      fail("names " + printable(g->text) + ", which a" +
+           (use_ == Use::Weights ? " weights file does not hold (dicts, lists, numbers, strings and tensors)"
+                                 : "n archive does not hold (its objects, numbers, strings and tensors)"));
     }
     push(std::move(g));
   }
@@ -274,7 +330,7 @@ class PickleMachine {
     }
     auto storage = make(Value::Kind::Storage);
     storage->integer = elements;
-    if (reading()) {
+    {
       // Every tensor over one key shares one storage, as in Python. Loaded to the CPU wherever it
       // was saved (a GPU's weights load on a machine without one); the module's parameters then
       // take them to their own device.
@@ -327,15 +383,12 @@ class PickleMachine {
            std::to_string(a[0]->integer));
     }
     auto tensor = make(Value::Kind::Tensor);
-    if (reading()) {
-      const auto& storage = a[0]->ivalue.toTensor();
-      tensor->ivalue = at::empty({0}, storage.options()).set_(storage.storage(), offset, sizes, strides);
-    }
+    const auto& storage = a[0]->ivalue.toTensor();
+    tensor->ivalue = at::empty({0}, storage.options()).set_(storage.storage(), offset, sizes, strides);
     return tensor;
   }
 
-  // REDUCE: function(argument). Read: the globals a weights file may call; Verify: LibTorch calls
-  // whatever function its GLOBAL registered, so only that it is one is checked (and tensors).
+  // REDUCE: function(argument), for the globals a weights file may call.
   void reduce(const char* opcode) {
     require(2, opcode);
     auto argument = pop();
@@ -354,7 +407,7 @@ class PickleMachine {
       push(rebuild_tensor(*argument));
       return;
     }
-    if (reading()) {
+    {
       if (name == "collections.OrderedDict") {
         if (argument->kind != Value::Kind::Tuple || !argument->items.empty()) {
           fail("builds an OrderedDict from arguments; torch.save gives it none and then its items");
@@ -374,23 +427,79 @@ class PickleMachine {
       }
       fail(std::string(opcode) + " calls " + name + " with arguments it does not take");
     }
-    auto result = make(Value::Kind::Other);  // OrderedDict (None in LibTorch), TorchScript's classes
-    result->nesting = argument->nesting;
-    push(std::move(result));
   }
 
-  // BUILD. Python: the object below takes the state on top as its attributes; the only objects
-  // a weights file holds that have any are OrderedDicts (Module.state_dict()'s _metadata), which
-  // the dict read here drops. LibTorch: as REDUCE, on the class NEWOBJ left.
+  // NEWOBJ: class(*arguments). An archive's objects are made with no arguments, then built.
+  void new_object() {
+    if (use_ == Use::Weights) fail("NEWOBJ makes an object, which a weights file does not hold");
+    require(2, "NEWOBJ");
+    const auto arguments = pop();
+    const auto type = pop();
+    if (type->kind != Value::Kind::Class) fail("NEWOBJ makes something other than an archive's object");
+    if (arguments->kind != Value::Kind::Tuple || !arguments->items.empty()) {
+      fail("NEWOBJ gives an archive's object arguments; LibTorch gives it none and then its attributes");
+    }
+    auto object = make(Value::Kind::Object);
+    object->text = type->text;
+    push(std::move(object));
+  }
+
+  // BUILD: the object below takes the state on top as its attributes. A weights file's only such
+  // objects are OrderedDicts (Module.state_dict()'s _metadata), which the dict read here drops. An
+  // archive's objects take a dict of their attributes, once.
   void build() {
-    if (!reading()) return reduce("BUILD");
     require(2, "BUILD");
-    pop();
-    if (!frame().back()->ordered_dict) fail("BUILD gives attributes to something other than an OrderedDict");
+    const auto state = pop();
+    auto& target = *frame().back();
+    if (use_ == Use::Weights || target.kind != Value::Kind::Object) {
+      if (!target.ordered_dict) fail("BUILD gives attributes to something other than an OrderedDict");
+      return;
+    }
+    if (target.object) fail("BUILD gives an object attributes a second time");
+    if (state->kind != Value::Kind::Dict) fail("BUILD gives an object attributes other than a dict");
+    auto object = std::make_shared<ArchiveObject>();
+    std::unordered_map<std::string, size_t> seen;
+    for (size_t i = 0; i + 1 < state->items.size(); i += 2) {
+      const auto& key = state->items[i];
+      const auto& value = state->items[i + 1];
+      if (key->kind != Value::Kind::String) fail("BUILD names an attribute with something other than a string");
+      if (!is_archive_attribute_name(key->text)) {
+        fail("names an attribute \"" + printable(key->text) +
+             "\"; expected letters, digits, '_' and '/' (not a Python keyword, not starting with __)");
+      }
+      if (!seen.emplace(key->text, i).second) fail("gives an object the attribute " + key->text + " twice");
+      contain(target, value);
+      object->attributes.push_back(archive_attribute(key->text, *value));
+    }
+    state->contained = true;
+    target.object = std::move(object);
+  }
+
+  // One attribute of an archive's object: a nested object, or a value LibTorch's writer writes as
+  // one (a tensor, a number, a string, None, or a tuple of the scalars).
+  ArchiveObject::Attribute archive_attribute(const std::string& name, const Value& value) {
+    ArchiveObject::Attribute attribute;
+    attribute.name = name;
+    using Kind = Value::Kind;
+    const auto scalar = [](const Value& v) {
+      return v.kind == Kind::None || v.kind == Kind::Bool || v.kind == Kind::Int || v.kind == Kind::Float ||
+             v.kind == Kind::String;
+    };
+    if (value.kind == Kind::Object) {
+      if (!value.object) fail("gives attribute " + name + " an object that BUILD has not finished");
+      attribute.object = value.object;
+    } else if (scalar(value) || value.kind == Kind::Tensor ||
+               (value.kind == Kind::Tuple &&
+                std::all_of(value.items.begin(), value.items.end(), [&](const ValuePtr& item) { return scalar(*item); }))) {
+      attribute.value = value.ivalue;
+    } else {
+      fail("gives attribute " + name + " a value an archive does not hold (expected an object, a tensor, a number, "
+           "a string, None or a tuple of those scalars)");
+    }
+    return attribute;
   }
 
   void step(unsigned char opcode) {
-    if (!reading() && opcode >= 0x8c && opcode <= 0x95) fail("has a protocol 4 opcode, which LibTorch does not read");
     switch (opcode) {
       case '(':  // MARK
         frames_.emplace_back();
@@ -449,7 +558,7 @@ class PickleMachine {
         auto v = make(Value::Kind::String);
         v->text.assign(reinterpret_cast<const char*>(data_ + position_), length);
         position_ += length;
-        if (reading()) v->ivalue = v->text;
+        v->ivalue = v->text;
         push(std::move(v));
         break;
       }
@@ -536,10 +645,8 @@ class PickleMachine {
       case 0x95:  // FRAME (protocol 4): the length of what follows, for buffered reading
         read_little_endian(8);
         break;
-      case 0x81:  // NEWOBJ: LibTorch drops the (empty) arguments and keeps the class for BUILD
-        if (reading()) fail("NEWOBJ makes an object, which a weights file does not hold");
-        require(2, "NEWOBJ");
-        pop();
+      case 0x81:  // NEWOBJ
+        new_object();
         break;
       case 'R':
         reduce("REDUCE");
@@ -582,12 +689,13 @@ class PickleMachine {
 
 c10::IValue read_weights_pickle(const char* data, size_t size, const std::string& storage_folder,
                                 const StorageEntries& entries, const std::string& where) {
-  return PickleMachine(Use::Read, data, size, storage_folder, entries, where).run()->ivalue;
+  return PickleMachine(Use::Weights, data, size, storage_folder, entries, where).run()->ivalue;
 }
 
-void verify_torchscript_pickle(const char* data, size_t size, const std::string& storage_folder,
-                               const StorageEntries& entries, const std::string& where) {
-  PickleMachine(Use::Verify, data, size, storage_folder, entries, where).run();
+std::shared_ptr<const ArchiveObject> read_archive_pickle(const char* data, size_t size,
+                                                         const std::string& storage_folder,
+                                                         const StorageEntries& entries, const std::string& where) {
+  return PickleMachine(Use::Archive, data, size, storage_folder, entries, where).run()->object;
 }
 
 }  // namespace qkv::detail

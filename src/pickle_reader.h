@@ -10,9 +10,14 @@
 // So qkv reads weights files itself: the opcodes of pickle protocol 2 (torch.save's), with
 // Python's rules for the stack, marks and memo, building only plain data (dicts, OrderedDicts,
 // lists, tuples, numbers, strings, None) and dense tensors over the archive's storages, each
-// checked to lie inside its entry. TorchScript archives (qkv-train's checkpoints) hold classes
-// that only LibTorch's importer can build; for them the same walk only checks what LibTorch's
-// reader would otherwise trust, before it reads them.
+// checked to lie inside its entry.
+//
+// qkv-train's checkpoints (LibTorch's torch::serialize::OutputArchive, a TorchScript archive) hold
+// TorchScript objects besides, and TorchScript source (code/, the objects' class definitions) that
+// LibTorch's importer compiles. A one-word change to that source crashed LibTorch 1.13's compiler
+// (found by fuzz/fuzz_checkpoint_loader, 2026-12-05). So the same reader reads a checkpoint's
+// objects as ArchiveObjects, and never reads its code: the class of an object is what its
+// attributes are (src/torch_file.cpp writes the archive again from them for LibTorch's reader).
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -22,7 +27,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace qkv::detail {
 
@@ -30,7 +37,7 @@ namespace qkv::detail {
 struct StorageEntries {
   /// The entry's size in bytes, or nullopt when the archive has no such entry.
   std::function<c10::optional<uint64_t>(const std::string& name)> size;
-  /// The entry's bytes (only read_weights_pickle reads them).
+  /// The entry's bytes.
   std::function<at::DataPtr(const std::string& name)> read;
 };
 
@@ -41,11 +48,25 @@ struct StorageEntries {
 c10::IValue read_weights_pickle(const char* data, size_t size, const std::string& storage_folder,
                                 const StorageEntries& entries, const std::string& where);
 
-/// Walks a TorchScript archive's pickle as LibTorch's reader will read it and refuses (as above)
-/// what would take that reader outside its input, stack, marks or memo, make it call what is not
-/// a function, nest containers deeper than destroying them can recurse, or give a storage or
-/// tensor more than its entry holds. Builds nothing.
-void verify_torchscript_pickle(const char* data, size_t size, const std::string& storage_folder,
-                               const StorageEntries& entries, const std::string& where);
+/// An object of a torch::serialize archive: its attributes in the order written, each a nested
+/// object (a sub-archive: a module, the optimizer's state) or a value (a tensor, a number, a
+/// string, None, or a tuple of the scalars).
+struct ArchiveObject {
+  struct Attribute {
+    std::string name;  // letters, digits, '_' and '/'; not a Python keyword, not starting with __
+    c10::IValue value;                            // when `object` is null
+    std::shared_ptr<const ArchiveObject> object;  // a nested object
+  };
+  std::vector<Attribute> attributes;
+};
+
+/// The object a torch::serialize archive's pickle `data` holds (qkv-train's checkpoint.pt), its
+/// storages as for read_weights_pickle. Anything else (a global other than the archive's classes,
+/// the storage types and _rebuild_tensor_v2; an object made with arguments or built twice; an
+/// attribute that is not one of the values above; what read_weights_pickle refuses) is refused:
+/// c10::Error "<where> <what> at byte <offset>; ...".
+std::shared_ptr<const ArchiveObject> read_archive_pickle(const char* data, size_t size,
+                                                         const std::string& storage_folder,
+                                                         const StorageEntries& entries, const std::string& where);
 
 }  // namespace qkv::detail

@@ -8,6 +8,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/serialize/output-archive.h>
 
 #include <cerrno>
 #include <cstring>
@@ -80,15 +81,59 @@ class CheckedArchive {
 
 }  // namespace
 
-void verify_torchscript_archive(const std::vector<char>& bytes, const std::string& path) {
-  CheckedArchive archive(bytes, path);
-  const auto storages = archive.storages();
-  for (const std::string folder : {"data", "constants"}) {
-    const auto pickle = folder + ".pkl";
-    if (!archive.has(pickle)) continue;  // LibTorch's importer names what it misses
-    const auto [data, size] = archive.record(pickle);
-    verify_torchscript_pickle(static_cast<const char*>(data.get()), size, folder + "/", storages, path + ": " + pickle);
+namespace {
+
+// Python writes the byte order since PyTorch 2.1; qkv reads little-endian files only.
+void check_byte_order(CheckedArchive& archive, const std::string& name) {
+  if (!archive.has("byteorder")) return;
+  const auto [order, order_size] = archive.record("byteorder");
+  TORCH_CHECK(std::string(static_cast<const char*>(order.get()), order_size) == "little", name,
+              " was written on a big-endian machine, whose tensors qkv does not read");
+}
+
+void write_object(const ArchiveObject& object, torch::serialize::OutputArchive& archive) {
+  for (const auto& attribute : object.attributes) {
+    if (attribute.object) {
+      torch::serialize::OutputArchive child;
+      write_object(*attribute.object, child);
+      archive.write(attribute.name, child);
+    } else {
+      archive.write(attribute.name, attribute.value);
+    }
   }
+}
+
+}  // namespace
+
+torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& bytes, const std::string& path) {
+  TORCH_CHECK(!bytes.empty(), path, " is empty; expected a checkpoint written by LibTorch's OutputArchive");
+  std::shared_ptr<const ArchiveObject> root;
+  {
+    CheckedArchive archive(bytes, path);
+    TORCH_CHECK(archive.has("data.pkl"), path, " holds no data.pkl, so it was not written by LibTorch's OutputArchive");
+    check_byte_order(archive, path);
+    const auto [pickle, pickle_size] = archive.record("data.pkl");
+    root = read_archive_pickle(static_cast<const char*>(pickle.get()), pickle_size, "data/", archive.storages(),
+                               path + ": data.pkl");
+  }
+  // The objects as LibTorch writes them: its importer compiles the class definitions written
+  // here, from the attributes read above, and nothing of the file's code/.
+  std::vector<char> rewritten;
+  torch::serialize::InputArchive result;
+  try {
+    torch::serialize::OutputArchive archive;
+    write_object(*root, archive);
+    archive.save_to([&](const void* data, size_t size) -> size_t {
+      rewritten.insert(rewritten.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
+      return size;
+    });
+    result.load_from(rewritten.data(), rewritten.size());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, ": LibTorch could not take its objects: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {  // TorchScript's ErrorReport
+    TORCH_CHECK(false, path, ": LibTorch could not take its objects: ", e.what());
+  }
+  return result;
 }
 
 c10::IValue read_torch_file(const std::vector<char>& bytes, const std::string& name, const char* caller) {
@@ -98,11 +143,7 @@ c10::IValue read_torch_file(const std::vector<char>& bytes, const std::string& n
     TORCH_CHECK(archive.has("data.pkl"), name,
                 " holds no data.pkl, so it was not written by torch.save (a TorchScript module from torch.jit.save, "
                 "or a zip file of something else?)");
-    if (archive.has("byteorder")) {  // written by PyTorch since 2.1
-      const auto [order, order_size] = archive.record("byteorder");
-      TORCH_CHECK(std::string(static_cast<const char*>(order.get()), order_size) == "little", name,
-                  " was written on a big-endian machine, whose tensors qkv does not read");
-    }
+    check_byte_order(archive, name);
     const auto [pickle, pickle_size] = archive.record("data.pkl");
     return read_weights_pickle(static_cast<const char*>(pickle.get()), pickle_size, "data/", archive.storages(),
                                name + ": data.pkl");

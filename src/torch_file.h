@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/ivalue.h>
+#include <torch/serialize/input-archive.h>
 
 #include <string>
 #include <vector>
@@ -19,10 +20,12 @@ std::vector<char> read_file_bytes(const std::string& path, const char* caller);
 /// A damaged or crafted file is refused with a c10::Error "<caller>: <name>: ...".
 c10::IValue read_torch_file(const std::vector<char>& bytes, const std::string& name, const char* caller);
 
-/// Checks a TorchScript archive (torch::serialize::OutputArchive's, qkv-train's checkpoints)
-/// before LibTorch's importer reads it: the archive (verify_torch_archive) and its pickles
-/// (verify_torchscript_pickle). Throws c10::Error naming `path`.
-void verify_torchscript_archive(const std::vector<char>& bytes, const std::string& path);
+/// The torch::serialize::OutputArchive in `bytes` (qkv-train's checkpoints), open for reading,
+/// without LibTorch's importer ever compiling the file's own code: the archive checked
+/// (verify_torch_archive), its objects read by qkv (read_archive_pickle), then written again by
+/// LibTorch's OutputArchive, whose class definitions the importer compiles instead. A damaged or
+/// crafted file is refused with a c10::Error naming `path`.
+torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& bytes, const std::string& path);
 
 /// `value` (dicts, lists, tensors, numbers, strings) in torch.save's format. Unlike
 /// torch::pickle_save, containers carry no TorchScript type tags

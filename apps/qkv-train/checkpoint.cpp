@@ -46,17 +46,14 @@ namespace {
 torch::serialize::InputArchive open_archive(const std::string& dir) {
   const auto path = (fs::path(dir) / kCheckpointFile).string();
   if (!fs::exists(path)) throw std::runtime_error("--resume: no checkpoint at " + path);
-  torch::serialize::InputArchive archive;
   try {
-    const auto bytes = qkv::detail::read_file_bytes(path, "--resume");
-    qkv::detail::verify_torchscript_archive(bytes, path);
-    archive.load_from(bytes.data(), bytes.size());
+    // Read by qkv, not by LibTorch's importer, which compiles the file's code (torch_file.h).
+    return qkv::detail::read_serialize_archive(qkv::detail::read_file_bytes(path, "--resume"), path);
   } catch (const c10::Error& e) {
     throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what_without_backtrace());
-  } catch (const std::exception& e) {  // TorchScript's ErrorReport, for damage inside compressed entries
+  } catch (const std::exception& e) {  // e.g. std::bad_alloc
     throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what());
   }
-  return archive;
 }
 
 CheckpointState read_state(torch::serialize::InputArchive& archive) {
