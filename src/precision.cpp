@@ -207,13 +207,26 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   for (const char* key : {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}) {
     TORCH_CHECK(state.count(key) == 1, "GradScaler::load_state_dict: expected the key ", key, " in the state");
   }
-  TORCH_CHECK(state.at("scale") > 0 && std::isfinite(state.at("scale")),
-              "GradScaler::load_state_dict: expected a positive finite scale, got ", state.at("scale"));
-  scale_ = state.at("scale");
-  options_.growth_factor(state.at("growth_factor"));
-  options_.backoff_factor(state.at("backoff_factor"));
-  options_.growth_interval(static_cast<int64_t>(state.at("growth_interval")));
-  growth_tracker_ = static_cast<int64_t>(state.at("_growth_tracker"));
+  // The constructor's conditions, and counts that are whole numbers an int64_t holds: the state
+  // may come from a damaged or crafted checkpoint, and casting 1e300 or NaN to int64_t is undefined.
+  const double scale = state.at("scale"), growth = state.at("growth_factor"), backoff = state.at("backoff_factor"),
+               interval = state.at("growth_interval"), tracker = state.at("_growth_tracker");
+  TORCH_CHECK(scale > 0 && std::isfinite(scale), "GradScaler::load_state_dict: expected a positive finite scale, got ",
+              scale);
+  TORCH_CHECK(growth > 1.0 && std::isfinite(growth), "GradScaler::load_state_dict: expected a finite growth_factor > 1, got ",
+              growth);
+  TORCH_CHECK(backoff > 0.0 && backoff < 1.0, "GradScaler::load_state_dict: expected backoff_factor in (0, 1), got ",
+              backoff);
+  constexpr double kLargestCount = 9007199254740992.0;  // 2^53: every whole number up to it is a double
+  TORCH_CHECK(interval >= 1 && interval <= kLargestCount && interval == std::floor(interval),
+              "GradScaler::load_state_dict: expected a whole growth_interval in [1, 2^53], got ", interval);
+  TORCH_CHECK(tracker >= 0 && tracker < interval && tracker == std::floor(tracker),
+              "GradScaler::load_state_dict: expected a whole _growth_tracker in [0, growth_interval), got ", tracker);
+  scale_ = scale;
+  options_.growth_factor(growth);
+  options_.backoff_factor(backoff);
+  options_.growth_interval(static_cast<int64_t>(interval));
+  growth_tracker_ = static_cast<int64_t>(tracker);
   records_.clear();
 }
 

@@ -7,14 +7,18 @@
 // from Python's definitions of them (Lib/pickle.py), and one baseline loads, so that each case
 // differs from a good file by its one fault.
 #include "support/fixtures.h"
+#include "torch_file.h"
 
+#include <caffe2/serialize/in_memory_adapter.h>
 #include <caffe2/serialize/inline_container.h>
 #include <gmock/gmock.h>
 
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pickle_reader_test {
@@ -62,17 +66,24 @@ struct TensorSpec {
   std::vector<int64_t> sizes{4, 4}, strides{4, 1};
 };
 
-// {'w': _rebuild_tensor_v2(<storage>, offset, sizes, strides, False, OrderedDict())}, as
-// torch.save writes it.
-Pickle tensor_dict(const TensorSpec& t) {
-  Pickle p;
-  p.op('}').op('(').string("w").global("torch._utils", "_rebuild_tensor_v2");
+// _rebuild_tensor_v2(<storage>, offset, sizes, strides, False, OrderedDict()), as torch.save
+// writes it.
+Pickle& tensor(Pickle& p, const TensorSpec& t) {
+  p.global("torch._utils", "_rebuild_tensor_v2");
   p.op('(');
   p.op('(').string("storage").global("torch", t.storage_type).string(t.key).string("cpu").integer(t.elements).op('t');
   p.op('Q');  // BINPERSID
   p.integer(t.offset).tuple(t.sizes).tuple(t.strides).op('\x89');
   p.global("collections", "OrderedDict").op(')').op('R');
-  p.op('t').op('R').op('u').stop();
+  return p.op('t').op('R');
+}
+
+// {'w': <the tensor>}
+Pickle tensor_dict(const TensorSpec& t) {
+  Pickle p;
+  p.op('}').op('(').string("w");
+  tensor(p, t);
+  p.op('u').stop();
   return p;
 }
 
@@ -236,6 +247,218 @@ TEST(CraftedPickles, AnArchiveWithTwoEntriesOfOneNameIsRefused) {
   ASSERT_EQ(renamed, 2);
   EXPECT_THAT([&] { qkv::read_tensor_dict(bytes, "twice.pt"); },
               ThrowsMessage<c10::Error>(AllOf(HasSubstr("twice.pt: entry "), HasSubstr("/data/0 appears twice"))));
+}
+
+// ---- qkv-train's checkpoints: LibTorch's torch::serialize::OutputArchive ----
+//
+// An archive's pickle holds TorchScript objects (GLOBAL __torch__.<class>, an empty tuple,
+// NEWOBJ, then BUILD with a dict of attributes) beside the same values and tensors. qkv reads
+// them itself (read_archive_pickle) and has LibTorch write them again, so that LibTorch's importer
+// never compiles the archive's own code/ (a one-word change there crashed LibTorch 1.13's
+// compiler; fuzz/fuzz_checkpoint_loader found it).
+
+// An object of class __torch__<suffix>.Module: `attributes` writes key, value pairs.
+Pickle& object(Pickle& p, const std::string& suffix, const std::function<void(Pickle&)>& attributes) {
+  p.global("__torch__" + suffix, "Module").op(')').op('\x81').op('}').op('(');
+  attributes(p);
+  return p.op('u').op('b');
+}
+
+// {w: tensor, step: 3, lr: 0.5, kind: "adam", betas: (1, 2), child: {x: tensor of row 3}}, the
+// root's attributes beside `extra`.
+Pickle archive_pickle(const std::function<void(Pickle&)>& extra = [](Pickle&) {}) {
+  Pickle p;
+  object(p, "", [&](Pickle& q) {
+    q.string("w");
+    tensor(q, {});
+    q.string("step").integer(3);
+    q.string("lr").op('G').raw(std::string("\x3f\xe0\0\0\0\0\0\0", 8));  // BINFLOAT 0.5, big-endian
+    q.string("kind").string("adam");
+    q.string("betas").integer(1).integer(2).op('\x86');
+    q.string("child");
+    object(q, ".___torch_mangle_0", [](Pickle& r) {
+      TensorSpec row;
+      row.offset = 12;
+      row.sizes = {4};
+      row.strides = {1};
+      r.string("x");
+      tensor(r, row);
+    });
+    extra(q);
+  });
+  return p.stop();
+}
+
+torch::serialize::InputArchive read_archive(const Pickle& p) {
+  return qkv::detail::read_serialize_archive(archive(p.bytes), "checkpoint.pt");
+}
+
+TEST(CraftedArchives, TheBaselineReadsEveryValueAndObject) {
+  auto in = read_archive(archive_pickle());
+  torch::Tensor w, x;
+  c10::IValue step, lr, kind, betas;
+  in.read("w", w);
+  in.read("step", step);
+  in.read("lr", lr);
+  in.read("kind", kind);
+  in.read("betas", betas);
+  torch::serialize::InputArchive child;
+  in.read("child", child);
+  child.read("x", x);
+  EXPECT_TRUE(torch::equal(w, torch::arange(16, torch::kFloat).reshape({4, 4})));
+  EXPECT_TRUE(torch::equal(x, torch::arange(12, 16, torch::kFloat)));
+  EXPECT_EQ(step.toInt(), 3);
+  EXPECT_EQ(lr.toDouble(), 0.5);
+  EXPECT_EQ(kind.toStringRef(), "adam");
+  ASSERT_TRUE(betas.isTuple());
+  EXPECT_EQ(betas.toTupleRef().elements().at(1).toInt(), 2);
+}
+
+// An archive as LibTorch writes it, code/ included, read back; then the same archive with every
+// code/ entry and debug pickle replaced (the CRCs right), which reads the same, because the class
+// definitions there are never compiled.
+TEST(CraftedArchives, LibTorchsArchiveReadsTheSameWhateverItsCodeSays) {
+  torch::serialize::OutputArchive out, nested, deeper;
+  const auto weight = torch::randn({3, 5}), rng = torch::randint(0, 255, {40}, torch::kByte);
+  deeper.write("exp_avg", c10::IValue(torch::ones({2}, torch::kDouble)));
+  deeper.write("step", c10::IValue(int64_t(7)));
+  nested.write("0x55d0c4a0b2f0", deeper);
+  nested.write("betas", c10::IValue(std::make_tuple(0.9, 0.999)));
+  out.write("W_q", weight);
+  out.write("state", nested);
+  out.write("options", c10::IValue(std::string("{\"task\": \"reverse\"}")));
+  out.write("cpu_rng_state", rng);
+  std::vector<char> bytes;
+  out.save_to([&](const void* data, size_t size) -> size_t {
+    bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
+    return size;
+  });
+
+  // Every entry again, code/ and its debug pickles replaced.
+  std::vector<char> damaged;
+  int replaced = 0;
+  {
+    caffe2::serialize::PyTorchStreamReader reader(
+        std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) -> size_t {
+      damaged.insert(damaged.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
+      return size;
+    });
+    for (const auto& name : reader.getAllRecords()) {
+      if (name == "version") continue;  // the writer writes its own
+      auto [record, size] = reader.getRecord(name);
+      std::string contents(static_cast<const char*>(record.get()), size);
+      if (name.rfind("code/", 0) == 0) {
+        // The fuzzer's change: an unknown class constant (SIGSEGV in LibTorch 1.13's compiler).
+        contents = "class Module(Module):\n  __parameterlibpythons__ = []\n";
+        ++replaced;
+      }
+      writer.writeRecord(name, contents.data(), contents.size());
+    }
+    writer.writeEndOfFile();
+  }
+  ASSERT_GE(replaced, 4) << "expected the archive's class definitions and their debug pickles under code/";
+
+  for (const auto* file : {&bytes, &damaged}) {
+    SCOPED_TRACE(file == &bytes ? "as written" : "code/ replaced");
+    auto in = qkv::detail::read_serialize_archive(*file, "checkpoint.pt");
+    torch::Tensor w, r, exp_avg;
+    c10::IValue options, step, betas;
+    in.read("W_q", w);
+    in.read("cpu_rng_state", r);
+    in.read("options", options);
+    torch::serialize::InputArchive state, inner;
+    in.read("state", state);
+    state.read("betas", betas);
+    state.read("0x55d0c4a0b2f0", inner);
+    inner.read("exp_avg", exp_avg);
+    inner.read("step", step);
+    EXPECT_TRUE(torch::equal(w, weight));
+    EXPECT_TRUE(torch::equal(r, rng));
+    EXPECT_TRUE(torch::equal(exp_avg, torch::ones({2}, torch::kDouble)));
+    EXPECT_EQ(step.toInt(), 7);
+    EXPECT_EQ(options.toStringRef(), "{\"task\": \"reverse\"}");
+    EXPECT_EQ(betas.toTupleRef().elements().at(0).toDouble(), 0.9);
+  }
+}
+
+TEST(CraftedArchives, AreRefusedNamingTheFileAndTheCondition) {
+  const auto with = [](std::function<void(Pickle&)> extra) { return [extra] { return archive_pickle(extra); }; };
+  const std::vector<Crafted> cases = {
+      {"an object made with arguments",
+       [] { return Pickle().global("__torch__", "Module").integer(1).op('\x85').op('\x81').stop(); },
+       "NEWOBJ gives an archive's object arguments"},
+      {"NEWOBJ of a function", [] { return Pickle().global("torch._utils", "_rebuild_tensor_v2").op(')').op('\x81').stop(); },
+       "NEWOBJ makes something other than an archive's object"},
+      {"a class outside __torch__", [] { return Pickle().global("os", "Module").op(')').op('\x81').stop(); },
+       "names os.Module, which an archive does not hold"},
+      {"a class whose module is not a dotted name",
+       [] { return Pickle().global("__torch__.a b", "Module").op(')').op('\x81').stop(); },
+       "names __torch__.a b.Module, which an archive does not hold"},
+      {"an object built twice",
+       [] {
+         Pickle p;
+         object(p, "", [](Pickle& q) { q.string("a").integer(1); });
+         return p.op('}').op('b').stop();
+       },
+       "BUILD gives an object attributes a second time"},
+      {"an object built from a list",
+       [] { return Pickle().global("__torch__", "Module").op(')').op('\x81').op(']').op('b').stop(); },
+       "BUILD gives an object attributes other than a dict"},
+      {"an attribute named by a number",
+       [] {
+         Pickle p;
+         return object(p, "", [](Pickle& q) { q.integer(1).integer(2); }).stop();
+       },
+       "BUILD names an attribute with something other than a string"},
+      {"an attribute name that would end a line of the class definition",
+       with([](Pickle& q) { q.string("a\"]\n  import os").integer(1); }),
+       "names an attribute \"a\"]\\x0a  import os\"; expected letters, digits, '_' and '/'"},
+      {"an attribute name TorchScript reads itself", with([](Pickle& q) { q.string("__parameters__").integer(1); }),
+       "names an attribute \"__parameters__\""},
+      {"a Python keyword as an attribute", with([](Pickle& q) { q.string("class").integer(1); }),
+       "names an attribute \"class\""},
+      {"an attribute given twice", with([](Pickle& q) { q.string("step").integer(4); }),
+       "gives an object the attribute step twice"},
+      {"a list as an attribute", with([](Pickle& q) { q.string("list").op(']'); }),
+       "gives attribute list a value an archive does not hold"},
+      {"a dict as an attribute", with([](Pickle& q) { q.string("dict").op('}'); }),
+       "gives attribute dict a value an archive does not hold"},
+      {"a tuple holding a tensor",
+       with([](Pickle& q) {
+         q.string("pair").integer(1);
+         tensor(q, {});
+         q.op('\x86');
+       }),
+       "gives attribute pair a value an archive does not hold"},
+      {"an object not yet built as an attribute",
+       with([](Pickle& q) { q.string("child2").global("__torch__", "Module").op(')').op('\x81'); }),
+       "gives attribute child2 an object that BUILD has not finished"},
+      {"an object inside its own attributes",
+       [] {
+         Pickle p;
+         p.global("__torch__", "Module").op(')').op('\x81').put(0).op('}').op('(').string("me").get(0).op('u').op('b');
+         return p.stop();
+       },
+       "gives attribute me an object that BUILD has not finished"},
+      {"a dict at the top", [] { return tensor_dict({}); }, "holds something other than an archive's object"},
+      {"a global that is not plain data", with([](Pickle& q) { q.string("f").global("os", "system"); }),
+       "names os.system, which an archive does not hold"},
+      {"a storage larger than its entry",
+       with([](Pickle& q) {
+         TensorSpec big;
+         big.elements = 17;
+         q.string("big");
+         tensor(q, big);
+       }),
+       "gives storage data/0 17 elements of 4 bytes, but its entry holds 64 bytes"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    EXPECT_THAT([&] { read_archive(c.pickle()); },
+                ThrowsMessage<c10::Error>(AllOf(HasSubstr("checkpoint.pt: data.pkl"), HasSubstr(c.condition),
+                                                HasSubstr("not written by LibTorch's torch::serialize::OutputArchive"))));
+  }
 }
 
 }  // namespace pickle_reader_test

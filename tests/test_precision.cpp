@@ -265,6 +265,23 @@ TEST(GradScaler, StateRoundTripsAndMisuseIsAnError) {
   EXPECT_EQ(restored.get_scale(), 256.0);
   EXPECT_EQ(restored.growth_tracker(), 1);
   EXPECT_EQ(restored.state_dict(), scaler.state_dict());
+  // A state no scaler could have (a damaged or crafted checkpoint's) is refused, naming the entry,
+  // and leaves the scaler as it was; casting 1e300 or NaN to a count would be undefined.
+  const std::vector<std::pair<std::string, double>> impossible = {
+      {"scale", -1.0},           {"scale", std::nan("")},          {"growth_factor", 1.0},
+      {"growth_factor", INFINITY}, {"backoff_factor", 1.0},        {"backoff_factor", 0.0},
+      {"growth_interval", 0.0},  {"growth_interval", 1e300},       {"growth_interval", std::nan("")},
+      {"growth_interval", 2.5},  {"_growth_tracker", -1.0},        {"_growth_tracker", 5.0},
+      {"_growth_tracker", 0.5},  {"_growth_tracker", std::nan("")}};
+  for (const auto& [key, value] : impossible) {
+    auto state = scaler.state_dict();
+    state[key] = value;
+    EXPECT_THAT([&] { restored.load_state_dict(state); },
+                ::testing::ThrowsMessage<c10::Error>(
+                    ::testing::AllOf(HasSubstr("GradScaler::load_state_dict: expected"), HasSubstr(key))))
+        << key << " = " << value;
+    EXPECT_EQ(restored.state_dict(), scaler.state_dict()) << key << " = " << value;
+  }
 
   p.optimizer->zero_grad();
   scaler.scale(p.loss()).backward();

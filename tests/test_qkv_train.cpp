@@ -5,6 +5,8 @@
 #include "support/apps.h"
 #include "support/fixtures.h"
 
+#include <caffe2/serialize/in_memory_adapter.h>
+#include <caffe2/serialize/inline_container.h>
 #include <gmock/gmock.h>
 #include <nlohmann/json.hpp>
 
@@ -533,6 +535,56 @@ TEST(TrainTasks, DamagedCheckpointsAreRefusedNamingTheFile) {
     fs::remove_all(dir);
   }
   fs::remove_all(source), fs::remove_all(other);
+}
+
+// A checkpoint's code/ (the TorchScript class definitions LibTorch's OutputArchive writes beside
+// the data) is never compiled: qkv reads the objects itself (src/pickle_reader.h). LibTorch's
+// importer compiled it before, and a one-word change to one of those files crashed LibTorch 1.13's
+// compiler (SIGSEGV; the fuzzer's input is in tests/data/fuzz_regressions_checkpoint/). Whatever
+// code/ says, the data resumes exactly.
+TEST(TrainTasks, ACheckpointsCodeIsNeverCompiledSoItCannotCrashTheResume) {
+  const auto whole = fresh_dir("code_whole"), split = fresh_dir("code_split");
+  ASSERT_EQ(train(kSmallReverse + "--steps 12 --log-every 1 --out " + whole.string()).exit_code, 0);
+  ASSERT_EQ(train(kSmallReverse + "--steps 6 --log-every 1 --out " + split.string()).exit_code, 0);
+  // Every class definition replaced by the fuzzer's (an unknown class constant), CRCs right.
+  const auto path = split / "checkpoint.pt";
+  const auto bytes = read_file(path);
+  std::string rewritten;
+  int replaced = 0;
+  {
+    caffe2::serialize::PyTorchStreamReader reader(
+        std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) -> size_t {
+      rewritten.append(static_cast<const char*>(data), size);
+      return size;
+    });
+    for (const auto& name : reader.getAllRecords()) {
+      if (name == "version") continue;  // the writer writes its own
+      auto [record, size] = reader.getRecord(name);
+      std::string contents(static_cast<const char*>(record.get()), size);
+      if (name.size() > 3 && name.compare(name.size() - 3, 3, ".py") == 0) {
+        contents = "class Module(Module):\n  __parameterlibpythons__ = []\n";
+        ++replaced;
+      }
+      writer.writeRecord(name, contents.data(), contents.size());
+    }
+    writer.writeEndOfFile();
+  }
+  ASSERT_GT(replaced, 3);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << rewritten;
+
+  auto resumed = train("--resume " + split.string() + " --steps 12 --log-every 1 --quiet", /*merge_stderr=*/true);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(losses_by_step(split / "metrics.csv"), losses_by_step(whole / "metrics.csv"));
+
+  // The fuzzer's input itself (its data a run of --d-model 8 --seq-len 4 --batch 2).
+  const auto found = fresh_dir("code_found");
+  fs::create_directories(found);
+  fs::copy_file(data_path("fuzz_regressions_checkpoint/checkpoint_code_with_an_unknown_class_constant.pt"),
+                found / "checkpoint.pt");
+  auto run = train("--resume " + found.string() + " --steps 3 --quiet", /*merge_stderr=*/true);
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  for (const auto& dir : {whole, split, found}) fs::remove_all(dir);
 }
 
 // A value of QKV_TILED_ISA or QKV_LINEAR_GEMM that qkv refuses is a usage error: exit 2, one line
