@@ -2,6 +2,7 @@
 // resume, failures), the sqrt(d_k) experiment and data-parallel training. The language model is
 // tested in test_qkv_train_lm.cpp; failure cases that need killing processes are ctest scripts.
 #include "common/cli_support.h"
+#include "qkv-train/checkpoint.h"
 #include "support/apps.h"
 #include "support/fixtures.h"
 
@@ -10,6 +11,7 @@
 #include <gmock/gmock.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -585,6 +587,71 @@ TEST(TrainTasks, ACheckpointsCodeIsNeverCompiledSoItCannotCrashTheResume) {
   auto run = train("--resume " + found.string() + " --steps 3 --quiet", /*merge_stderr=*/true);
   EXPECT_EQ(run.exit_code, 0) << run.output;
   for (const auto& dir : {whole, split, found}) fs::remove_all(dir);
+}
+
+// Module::load and Optimizer::load take whatever a checkpoint holds: Tensor::set_ gave a parameter
+// the file's shape, a state saved for another parameter was handed on by position, and a state two
+// parameters share left the second a null state (dereferenced at the next step). A checkpoint that
+// does not fit the model and optimizer is refused, naming what does not fit.
+TEST(Checkpoints, AStateThatDoesNotFitTheModelOrItsOptimizerIsRefused) {
+  const auto dir = fresh_dir("checkpoint_fit");
+  fs::create_directories(dir);
+  torch::manual_seed(3);
+  const auto step = [](torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+    optimizer.zero_grad();
+    torch::Tensor loss = torch::zeros({});
+    for (const auto& p : model.parameters()) loss = loss + p.square().sum();
+    loss.backward();
+    optimizer.step();
+  };
+  const auto save = [&](torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+    qkv::GradScaler disabled(qkv::GradScalerOptions().enabled(false));
+    qkv_train::save_checkpoint(dir.string(), model, optimizer, disabled, qkv_train::CheckpointState{});
+  };
+  const auto load_error = [&](torch::nn::Module& model, torch::optim::Optimizer& optimizer) -> std::string {
+    qkv::GradScaler disabled(qkv::GradScalerOptions().enabled(false));
+    try {
+      qkv_train::load_checkpoint(dir.string(), model, optimizer, disabled);
+    } catch (const std::runtime_error& e) {
+      return e.what();
+    }
+    return "loaded";
+  };
+  torch::nn::Sequential saved(torch::nn::Linear(4, 3), torch::nn::Linear(3, 2));
+  torch::optim::Adam saved_adam(saved->parameters(), torch::optim::AdamOptions(0.1));
+  step(*saved, saved_adam);
+  save(*saved, saved_adam);
+
+  {  // The same shapes: loads, and the next step runs.
+    torch::nn::Sequential model(torch::nn::Linear(4, 3), torch::nn::Linear(3, 2));
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.1));
+    ASSERT_EQ(load_error(*model, adam), "loaded");
+    EXPECT_TRUE(torch::equal(model->parameters()[0], saved->parameters()[0]));
+    step(*model, adam);
+  }
+  {  // A model of other shapes.
+    torch::nn::Sequential model(torch::nn::Linear(5, 3), torch::nn::Linear(3, 2));
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.1));
+    EXPECT_THAT(load_error(*model, adam), HasSubstr("its 0.weight is [3, 4] float, where the model's is [3, 5] float"));
+  }
+  {  // An optimizer whose parameters come in another order: each state is another parameter's.
+    torch::nn::Sequential model(torch::nn::Linear(4, 3), torch::nn::Linear(3, 2));
+    auto parameters = model->parameters();
+    std::reverse(parameters.begin(), parameters.end());
+    torch::optim::Adam adam(parameters, torch::optim::AdamOptions(0.1));
+    EXPECT_THAT(load_error(*model, adam), HasSubstr("its optimizer state's exp_avg is [3, 4] float on cpu, where its "
+                                                    "parameter is [2] float on cpu"));
+  }
+  {  // A state saved for one parameter listed twice, loaded for two.
+    torch::nn::Linear twice(2, 2);
+    torch::optim::Adam twice_adam(std::vector<torch::Tensor>{twice->weight, twice->weight}, torch::optim::AdamOptions(0.1));
+    step(*twice, twice_adam);
+    save(*twice, twice_adam);
+    torch::nn::Linear model(2, 2);
+    torch::optim::Adam adam(std::vector<torch::Tensor>{model->weight, model->bias}, torch::optim::AdamOptions(0.1));
+    EXPECT_THAT(load_error(*model, adam), HasSubstr("its optimizer state names one parameter's state twice"));
+  }
+  fs::remove_all(dir);
 }
 
 // A value of QKV_TILED_ISA or QKV_LINEAR_GEMM that qkv refuses is a usage error: exit 2, one line

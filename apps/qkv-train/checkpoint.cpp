@@ -4,7 +4,11 @@
 #include "torch_file.h"
 
 #include <filesystem>
+#include <sstream>
 #include <stdexcept>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace qkv_train {
 namespace fs = std::filesystem;
@@ -56,6 +60,93 @@ torch::serialize::InputArchive open_archive(const std::string& dir) {
   }
 }
 
+// What a tensor of the model must keep when a checkpoint loads into it.
+struct TensorSlot {
+  std::string name;
+  std::vector<int64_t> sizes;
+  caffe2::TypeMeta dtype;
+};
+
+std::vector<TensorSlot> slots_of(torch::nn::Module& model) {
+  std::vector<TensorSlot> slots;
+  for (const auto& item : model.named_parameters()) {
+    slots.push_back({item.key(), item.value().sizes().vec(), item.value().dtype()});
+  }
+  for (const auto& item : model.named_buffers()) slots.push_back({item.key(), item.value().sizes().vec(), item.value().dtype()});
+  return slots;
+}
+
+std::string describe(c10::IntArrayRef sizes, caffe2::TypeMeta dtype) {
+  std::ostringstream text;
+  text << sizes << " " << dtype;
+  return text.str();
+}
+
+// Module::load sets each tensor to what the file holds (Tensor::set_), whatever its shape and dtype:
+// a checkpoint of another model would leave this one reshaped. A checkpoint of this model keeps them.
+void check_model_kept(const std::vector<TensorSlot>& before, torch::nn::Module& model) {
+  const auto after = slots_of(model);
+  for (size_t i = 0; i < before.size() && i < after.size(); ++i) {
+    if (before[i].sizes != after[i].sizes || before[i].dtype != after[i].dtype) {
+      throw std::runtime_error("its " + before[i].name + " is " + describe(after[i].sizes, after[i].dtype) +
+                               ", where the model's is " + describe(before[i].sizes, before[i].dtype));
+    }
+  }
+}
+
+// A parameter's entry in an optimizer's state: keyed by its TensorImpl's address, as text on
+// LibTorch 1.x and as the pointer on 2.x.
+template <typename State>
+auto find_state(State& state, const torch::Tensor& parameter) {
+  using Key = typename std::decay_t<State>::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream address;  // as c10::guts::to_string writes it
+    address << static_cast<void*>(parameter.unsafeGetTensorImpl());
+    return state.find(address.str());
+  } else {
+    return state.find(parameter.unsafeGetTensorImpl());
+  }
+}
+
+// Optimizer::load gives each parameter the state saved under its key: a key two parameters share
+// leaves the second a null state (a crash at the next step), and the state's tensors are whatever the
+// file holds. Each must be a tensor of its parameter's shape, dtype and device, its step not negative.
+void check_optimizer_state(torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& parameter : group.params()) {
+      const auto found = find_state(optimizer.state(), parameter);
+      if (found == optimizer.state().end()) continue;  // no step yet
+      if (found->second == nullptr) throw std::runtime_error("its optimizer state names one parameter's state twice");
+      std::vector<std::pair<std::string, torch::Tensor>> tensors;
+      int64_t step = 0;
+      if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(found->second.get())) {
+        tensors = {{"exp_avg", adam->exp_avg()},
+                   {"exp_avg_sq", adam->exp_avg_sq()},
+                   {"max_exp_avg_sq", adam->max_exp_avg_sq()}};
+        step = adam->step();
+      } else if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(found->second.get())) {
+        tensors = {{"exp_avg", adamw->exp_avg()},
+                   {"exp_avg_sq", adamw->exp_avg_sq()},
+                   {"max_exp_avg_sq", adamw->max_exp_avg_sq()}};
+        step = adamw->step();
+      } else if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(found->second.get())) {
+        tensors = {{"momentum_buffer", sgd->momentum_buffer()}};
+      }
+      if (step < 0) throw std::runtime_error("its optimizer state has step " + std::to_string(step));
+      for (const auto& [name, tensor] : tensors) {
+        if (!tensor.defined()) continue;
+        if (tensor.sizes() != parameter.sizes() || tensor.dtype() != parameter.dtype() ||
+            tensor.device() != parameter.device()) {
+          throw std::runtime_error(std::string("its optimizer state's ") + name + " is " +
+                                   describe(tensor.sizes(), tensor.dtype()) + " on " + tensor.device().str() +
+                                   ", where its parameter is " + describe(parameter.sizes(), parameter.dtype()) +
+                                   " on " + parameter.device().str());
+        }
+      }
+    }
+  }
+}
+
 CheckpointState read_state(torch::serialize::InputArchive& archive) {
   CheckpointState state;
   torch::Tensor step, initial_loss, last_loss;
@@ -90,7 +181,9 @@ CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module&
   try {
     torch::serialize::InputArchive model_archive;
     archive.read("model", model_archive);
+    const auto slots = slots_of(model);
     model.load(model_archive);
+    check_model_kept(slots, model);
     return read_state(archive);
   } catch (const std::exception& e) {
     throw std::runtime_error("--resume: cannot load the model of " + (fs::path(dir) / kCheckpointFile).string() +
@@ -105,8 +198,11 @@ CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model
     torch::serialize::InputArchive model_archive, optimizer_archive;
     archive.read("model", model_archive);
     archive.read("optimizer", optimizer_archive);
+    const auto slots = slots_of(model);
     model.load(model_archive);
+    check_model_kept(slots, model);
     optimizer.load(optimizer_archive);
+    check_optimizer_state(optimizer);
     torch::serialize::InputArchive scaler_archive;
     if (scaler.is_enabled() && archive.try_read("grad_scaler", scaler_archive)) scaler.load(scaler_archive);
     torch::Tensor rng_state;
