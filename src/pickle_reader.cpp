@@ -331,9 +331,9 @@ class PickleMachine {
     auto storage = make(Value::Kind::Storage);
     storage->integer = elements;
     {
-      // Every tensor over one key shares one storage, as in Python. Loaded to the CPU wherever it
-      // was saved (a GPU's weights load on a machine without one); the module's parameters then
-      // take them to their own device.
+      // Every tensor over one key shares one storage, as in Python. A weights file's are loaded to
+      // the CPU wherever they were saved (a GPU's weights load on a machine without one); the
+      // module's parameters then take them to their own device.
       auto found = storages_.find(entry);
       if (found == storages_.end() || found->second.nbytes() < uint64_t(elements) * element_size) {
         at::DataPtr data = elements > 0 ? entries_.read(entry) : at::DataPtr(nullptr, at::Device(at::kCPU));
@@ -343,6 +343,20 @@ class PickleMachine {
                     .first;
       }
       storage->ivalue = at::empty({0}, at::TensorOptions().dtype(type)).set_(found->second);
+      const auto& location = a[3]->text;
+      if (use_ == Use::Archive && location != "cpu") {
+        // A checkpoint's tensors go back where they were saved, as LibTorch's reader puts them: a
+        // CUDA run's parameters and optimizer state to the GPU (Module::load moves a parameter to
+        // the device of the tensor it reads). One copy per entry and device, shared as saved.
+        const auto key = entry + "@" + location;
+        auto moved = device_storages_.find(key);
+        const auto& cpu = storage->ivalue.toTensor();
+        if (moved == device_storages_.end() || moved->second.nbytes() < cpu.storage().nbytes()) {
+          moved = device_storages_.insert_or_assign(key, cpu.to(at::Device(location)).storage()).first;
+        }
+        storage->ivalue =
+            at::empty({0}, at::TensorOptions().dtype(type).device(moved->second.device())).set_(moved->second);
+      }
     }
     push(std::move(storage));
   }
@@ -682,7 +696,8 @@ class PickleMachine {
   std::string where_;
   std::vector<std::vector<ValuePtr>> frames_;  // frames_[0]: below every MARK
   std::unordered_map<uint64_t, ValuePtr> memo_;
-  std::unordered_map<std::string, at::Storage> storages_;  // Read: by entry
+  std::unordered_map<std::string, at::Storage> storages_;         // by entry, on the CPU
+  std::unordered_map<std::string, at::Storage> device_storages_;  // Archive: by entry@device, elsewhere
 };
 
 }  // namespace

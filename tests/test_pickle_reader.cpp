@@ -61,6 +61,7 @@ struct Pickle {
 struct TensorSpec {
   std::string storage_type = "FloatStorage";
   std::string key = "0";
+  std::string location = "cpu";
   int64_t elements = 16;
   int64_t offset = 0;
   std::vector<int64_t> sizes{4, 4}, strides{4, 1};
@@ -71,7 +72,7 @@ struct TensorSpec {
 Pickle& tensor(Pickle& p, const TensorSpec& t) {
   p.global("torch._utils", "_rebuild_tensor_v2");
   p.op('(');
-  p.op('(').string("storage").global("torch", t.storage_type).string(t.key).string("cpu").integer(t.elements).op('t');
+  p.op('(').string("storage").global("torch", t.storage_type).string(t.key).string(t.location).integer(t.elements).op('t');
   p.op('Q');  // BINPERSID
   p.integer(t.offset).tuple(t.sizes).tuple(t.strides).op('\x89');
   p.global("collections", "OrderedDict").op(')').op('R');
@@ -380,6 +381,24 @@ TEST(CraftedArchives, LibTorchsArchiveReadsTheSameWhateverItsCodeSays) {
     EXPECT_EQ(options.toStringRef(), "{\"task\": \"reverse\"}");
     EXPECT_EQ(betas.toTupleRef().elements().at(0).toDouble(), 0.9);
   }
+}
+
+// A checkpoint's tensors go back to the device they were saved from (a CUDA run's to the GPU), as
+// LibTorch's reader put them; a weights file's load to the CPU. "meta" stands in for CUDA here.
+TEST(CraftedArchives, TensorsGoBackToTheDeviceTheyWereSavedFrom) {
+  TensorSpec on_meta;
+  on_meta.location = "meta";
+  auto in = read_archive(archive_pickle([&](Pickle& q) {
+    q.string("elsewhere");
+    tensor(q, on_meta);
+  }));
+  torch::Tensor w, elsewhere;
+  in.read("w", w);
+  in.read("elsewhere", elsewhere);
+  EXPECT_EQ(w.device(), torch::Device(torch::kCPU));
+  EXPECT_EQ(elsewhere.device().type(), torch::kMeta);
+  EXPECT_EQ(elsewhere.sizes(), torch::IntArrayRef({4, 4}));
+  EXPECT_EQ(read(tensor_dict(on_meta)).at("w").device(), torch::Device(torch::kCPU));
 }
 
 TEST(CraftedArchives, AreRefusedNamingTheFileAndTheCondition) {

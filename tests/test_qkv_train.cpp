@@ -632,7 +632,7 @@ TEST(Checkpoints, AStateThatDoesNotFitTheModelOrItsOptimizerIsRefused) {
   {  // A model of other shapes.
     torch::nn::Sequential model(torch::nn::Linear(5, 3), torch::nn::Linear(3, 2));
     torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.1));
-    EXPECT_THAT(load_error(*model, adam), HasSubstr("its 0.weight is [3, 4] float, where the model's is [3, 5] float"));
+    EXPECT_THAT(load_error(*model, adam), HasSubstr("its 0.weight is [3, 4] float on cpu, where the model's is [3, 5] float on cpu"));
   }
   {  // An optimizer whose parameters come in another order: each state is another parameter's.
     torch::nn::Sequential model(torch::nn::Linear(4, 3), torch::nn::Linear(3, 2));

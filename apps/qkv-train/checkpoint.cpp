@@ -65,31 +65,36 @@ struct TensorSlot {
   std::string name;
   std::vector<int64_t> sizes;
   caffe2::TypeMeta dtype;
+  torch::Device device;
 };
 
 std::vector<TensorSlot> slots_of(torch::nn::Module& model) {
   std::vector<TensorSlot> slots;
-  for (const auto& item : model.named_parameters()) {
-    slots.push_back({item.key(), item.value().sizes().vec(), item.value().dtype()});
-  }
-  for (const auto& item : model.named_buffers()) slots.push_back({item.key(), item.value().sizes().vec(), item.value().dtype()});
+  const auto add = [&](const std::string& name, const torch::Tensor& t) {
+    slots.push_back({name, t.sizes().vec(), t.dtype(), t.device()});
+  };
+  for (const auto& item : model.named_parameters()) add(item.key(), item.value());
+  for (const auto& item : model.named_buffers()) add(item.key(), item.value());
   return slots;
 }
 
-std::string describe(c10::IntArrayRef sizes, caffe2::TypeMeta dtype) {
+std::string describe(c10::IntArrayRef sizes, caffe2::TypeMeta dtype, const torch::Device& device) {
   std::ostringstream text;
-  text << sizes << " " << dtype;
+  text << sizes << " " << dtype << " on " << device;
   return text.str();
 }
 
-// Module::load sets each tensor to what the file holds (Tensor::set_), whatever its shape and dtype:
-// a checkpoint of another model would leave this one reshaped. A checkpoint of this model keeps them.
+// Module::load sets each tensor to what the file holds (Tensor::set_, or set_data across devices),
+// whatever its shape, dtype and device: a checkpoint of another model would leave this one reshaped.
+// A checkpoint of this model keeps them.
 void check_model_kept(const std::vector<TensorSlot>& before, torch::nn::Module& model) {
   const auto after = slots_of(model);
   for (size_t i = 0; i < before.size() && i < after.size(); ++i) {
-    if (before[i].sizes != after[i].sizes || before[i].dtype != after[i].dtype) {
-      throw std::runtime_error("its " + before[i].name + " is " + describe(after[i].sizes, after[i].dtype) +
-                               ", where the model's is " + describe(before[i].sizes, before[i].dtype));
+    const auto& b = before[i];
+    const auto& a = after[i];
+    if (b.sizes != a.sizes || b.dtype != a.dtype || b.device != a.device) {
+      throw std::runtime_error("its " + b.name + " is " + describe(a.sizes, a.dtype, a.device) +
+                               ", where the model's is " + describe(b.sizes, b.dtype, b.device));
     }
   }
 }
@@ -137,10 +142,9 @@ void check_optimizer_state(torch::optim::Optimizer& optimizer) {
         if (!tensor.defined()) continue;
         if (tensor.sizes() != parameter.sizes() || tensor.dtype() != parameter.dtype() ||
             tensor.device() != parameter.device()) {
-          throw std::runtime_error(std::string("its optimizer state's ") + name + " is " +
-                                   describe(tensor.sizes(), tensor.dtype()) + " on " + tensor.device().str() +
-                                   ", where its parameter is " + describe(parameter.sizes(), parameter.dtype()) +
-                                   " on " + parameter.device().str());
+          throw std::runtime_error("its optimizer state's " + name + " is " +
+                                   describe(tensor.sizes(), tensor.dtype(), tensor.device()) + ", where its parameter is " +
+                                   describe(parameter.sizes(), parameter.dtype(), parameter.device()));
         }
       }
     }
