@@ -106,13 +106,16 @@ bool is_archive_class(const std::string& module, const std::string& name) {
 // The attribute names LibTorch's writer prints as they are into the class definitions it writes
 // (TorchScript source) when the archive is written again: names of modules, parameters and
 // optimizer state ("W_q", "0", "param_groups/size", "0x55d0c4a0b2f0", "_growth_tracker"). Nothing
-// that could end a string or a line there, no __dunder__ that TorchScript reads itself, no keyword.
+// that could end a string or a line there, no __dunder__ that TorchScript reads itself, no keyword
+// of Python's or of TorchScript's lexer (an attribute named NoneType failed an internal assert of
+// LibTorch 1.13's importer).
 bool is_archive_attribute_name(const std::string& name) {
   static const char* const keywords[] = {
       "False", "None",   "True",    "and",      "as",   "assert", "async",  "await",  "break",
       "class", "continue", "def",   "del",      "elif", "else",   "except", "finally", "for",
       "from",  "global", "if",      "import",   "in",   "is",     "lambda", "nonlocal", "not",
-      "or",    "pass",   "raise",   "return",   "try",  "while",  "with",   "yield"};
+      "or",    "pass",   "raise",   "return",   "try",  "while",  "with",   "yield",  "Ellipsis",
+      "NoneType"};
   if (name.empty() || name.size() > 256 || name.rfind("__", 0) == 0) return false;
   if (!std::all_of(name.begin(), name.end(), [](char c) { return word_character(c) || c == '/'; })) {
     return false;
@@ -707,9 +710,8 @@ c10::IValue read_weights_pickle(const char* data, size_t size, const std::string
   return PickleMachine(Use::Weights, data, size, storage_folder, entries, where).run()->ivalue;
 }
 
-std::shared_ptr<const ArchiveObject> read_archive_pickle(const char* data, size_t size,
-                                                         const std::string& storage_folder,
-                                                         const StorageEntries& entries, const std::string& where) {
+std::shared_ptr<ArchiveObject> read_archive_pickle(const char* data, size_t size, const std::string& storage_folder,
+                                                   const StorageEntries& entries, const std::string& where) {
   return PickleMachine(Use::Archive, data, size, storage_folder, entries, where).run()->object;
 }
 

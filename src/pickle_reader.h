@@ -55,7 +55,7 @@ struct ArchiveObject {
   struct Attribute {
     std::string name;  // letters, digits, '_' and '/'; not a Python keyword, not starting with __
     c10::IValue value;                            // when `object` is null
-    std::shared_ptr<const ArchiveObject> object;  // a nested object
+    std::shared_ptr<ArchiveObject> object;  // a nested object
   };
   std::vector<Attribute> attributes;
 };
@@ -65,8 +65,7 @@ struct ArchiveObject {
 /// the storage types and _rebuild_tensor_v2; an object made with arguments or built twice; an
 /// attribute that is not one of the values above; what read_weights_pickle refuses) is refused:
 /// c10::Error "<where> <what> at byte <offset>; ...".
-std::shared_ptr<const ArchiveObject> read_archive_pickle(const char* data, size_t size,
-                                                         const std::string& storage_folder,
-                                                         const StorageEntries& entries, const std::string& where);
+std::shared_ptr<ArchiveObject> read_archive_pickle(const char* data, size_t size, const std::string& storage_folder,
+                                                   const StorageEntries& entries, const std::string& where);
 
 }  // namespace qkv::detail

@@ -105,9 +105,10 @@ void write_object(const ArchiveObject& object, torch::serialize::OutputArchive& 
 
 }  // namespace
 
-torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& bytes, const std::string& path) {
+torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& bytes, const std::string& path,
+                                                      const std::function<void(ArchiveObject& root)>& adjust) {
   TORCH_CHECK(!bytes.empty(), path, " is empty; expected a checkpoint written by LibTorch's OutputArchive");
-  std::shared_ptr<const ArchiveObject> root;
+  std::shared_ptr<ArchiveObject> root;
   {
     CheckedArchive archive(bytes, path);
     TORCH_CHECK(archive.has("data.pkl"), path, " holds no data.pkl, so it was not written by LibTorch's OutputArchive");
@@ -116,6 +117,7 @@ torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& b
     root = read_archive_pickle(static_cast<const char*>(pickle.get()), pickle_size, "data/", archive.storages(),
                                path + ": data.pkl");
   }
+  if (adjust) adjust(*root);
   // The objects as LibTorch writes them: its importer compiles the class definitions written
   // here, from the attributes read above, and nothing of the file's code/.
   std::vector<char> rewritten;

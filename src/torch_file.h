@@ -3,9 +3,12 @@
 // build; the public face is read_tensor_dict / save_tensor_dict (state_dict.h).
 #pragma once
 
+#include "pickle_reader.h"
+
 #include <ATen/core/ivalue.h>
 #include <torch/serialize/input-archive.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -23,9 +26,11 @@ c10::IValue read_torch_file(const std::vector<char>& bytes, const std::string& n
 /// The torch::serialize::OutputArchive in `bytes` (qkv-train's checkpoints), open for reading,
 /// without LibTorch's importer ever compiling the file's own code: the archive checked
 /// (verify_torch_archive), its objects read by qkv (read_archive_pickle), then written again by
-/// LibTorch's OutputArchive, whose class definitions the importer compiles instead. A damaged or
+/// LibTorch's OutputArchive, whose class definitions the importer compiles instead. `adjust`, when
+/// given, may change the objects before that (qkv-train: its optimizer's state keys). A damaged or
 /// crafted file is refused with a c10::Error naming `path`.
-torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& bytes, const std::string& path);
+torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& bytes, const std::string& path,
+                                                      const std::function<void(ArchiveObject& root)>& adjust = {});
 
 /// `value` (dicts, lists, tensors, numbers, strings) in torch.save's format. Unlike
 /// torch::pickle_save, containers carry no TorchScript type tags

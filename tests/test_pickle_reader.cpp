@@ -437,6 +437,8 @@ TEST(CraftedArchives, AreRefusedNamingTheFileAndTheCondition) {
        "names an attribute \"__parameters__\""},
       {"a Python keyword as an attribute", with([](Pickle& q) { q.string("class").integer(1); }),
        "names an attribute \"class\""},
+      {"a keyword of TorchScript's as an attribute (LibTorch 1.13's importer failed an internal assert)",
+       with([](Pickle& q) { q.string("NoneType").integer(1); }), "names an attribute \"NoneType\""},
       {"an attribute given twice", with([](Pickle& q) { q.string("step").integer(4); }),
        "gives an object the attribute step twice"},
       {"a list as an attribute", with([](Pickle& q) { q.string("list").op(']'); }),

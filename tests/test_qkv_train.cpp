@@ -3,6 +3,8 @@
 // tested in test_qkv_train_lm.cpp; failure cases that need killing processes are ctest scripts.
 #include "common/cli_support.h"
 #include "qkv-train/checkpoint.h"
+#include "qkv-train/cli.h"
+#include "qkv-train/task_registry.h"
 #include "support/apps.h"
 #include "support/fixtures.h"
 
@@ -652,6 +654,43 @@ TEST(Checkpoints, AStateThatDoesNotFitTheModelOrItsOptimizerIsRefused) {
     EXPECT_THAT(load_error(*model, adam), HasSubstr("its optimizer state names one parameter's state twice"));
   }
   fs::remove_all(dir);
+}
+
+// A checkpoint resumes on every LibTorch qkv builds on, whichever wrote it. LibTorch 1.x names each
+// parameter's optimizer state by its address in hex, 2.x in decimal, and 2.x parsed the hex names as 0:
+// a checkpoint of Debian 12's qkv resumed on Debian 13's left every parameter but the first a null
+// Adam state and crashed at the next step. (Files: one Adam step of --task reverse --d-model 8
+// --seq-len 4 --batch 2, written by qkv on LibTorch 1.13 and 2.6.)
+TEST(Checkpoints, ThoseOfLibTorch1And2ResumeWithAStateForEveryParameter) {
+  for (const char* file : {"checkpoints/reverse-libtorch1.13.pt", "checkpoints/reverse-libtorch2.6.pt"}) {
+    SCOPED_TRACE(file);
+    const auto dir = fresh_dir("checkpoint_version");
+    fs::create_directories(dir);
+    fs::copy_file(data_path(file), dir / "checkpoint.pt");
+    // Loaded as qkv-train loads it: every parameter has its own state of one step. After one Adam
+    // step from zero moments, exp_avg = (1 - β1) g and exp_avg_sq = (1 - β2) g², so the two agree
+    // elementwise only if they were saved for the same gradient.
+    const std::string resume = dir.string();
+    const char* argv[] = {"qkv-train", "--resume", resume.c_str(), "--quiet"};
+    qkv_train::RunConfig config;
+    ASSERT_EQ(qkv_train::parse_command_line(4, argv, config), -1);
+    auto task = qkv_train::find_task(config.task).make(config, torch::kCPU);
+    auto optimizer = task->make_optimizer(config.lr);
+    qkv::GradScaler scaler(qkv::GradScalerOptions().enabled(false));
+    ASSERT_EQ(qkv_train::load_checkpoint(resume, task->model(), *optimizer, scaler).step, 1);
+    ASSERT_EQ(optimizer->state().size(), task->model().parameters().size());
+    for (const auto& [key, state] : optimizer->state()) {
+      ASSERT_NE(state, nullptr);
+      const auto& adam = dynamic_cast<const torch::optim::AdamParamState&>(*state);
+      EXPECT_EQ(adam.step(), 1);
+      const auto expected_sq = adam.exp_avg().square() * ((1 - 0.999) / ((1 - 0.9) * (1 - 0.9)));
+      EXPECT_TRUE(torch::allclose(adam.exp_avg_sq(), expected_sq, 1e-4, 1e-12));
+    }
+    // And the run goes on.
+    auto run = train("--resume " + resume + " --steps 3 --quiet", /*merge_stderr=*/true);
+    EXPECT_EQ(run.exit_code, 0) << run.output;
+    fs::remove_all(dir);
+  }
 }
 
 // A value of QKV_TILED_ISA or QKV_LINEAR_GEMM that qkv refuses is a usage error: exit 2, one line

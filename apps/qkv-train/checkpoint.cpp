@@ -47,12 +47,45 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
 
 namespace {
 
+// A parameter's optimizer state is saved under its TensorImpl's address as text, and its param
+// group lists those names in order: LibTorch 1.x writes them in hex ("0x55d0c4a0b2f0"), 2.x in
+// decimal, and 2.x reads them with std::stoull, which takes "0x55..." for 0. So on 2.x every state of
+// a 1.x checkpoint fell under one key and every parameter but the first was left a null state (a
+// crash at the next step). Decimal names read the same on both (1.x compares them as text).
+std::string decimal_name(const std::string& name) {
+  if (name.size() < 3 || name.size() > 18 || name.rfind("0x", 0) != 0) return name;
+  if (name.find_first_not_of("0123456789abcdefABCDEF", 2) != std::string::npos) return name;
+  return std::to_string(std::stoull(name, nullptr, 16));  // at most 16 hex digits: fits
+}
+
+void use_decimal_state_names(qkv::detail::ArchiveObject& root) {
+  for (auto& top : root.attributes) {
+    if (top.name != "optimizer" || !top.object) continue;
+    for (auto& part : top.object->attributes) {
+      if (!part.object) continue;
+      if (part.name == "state") {
+        for (auto& state : part.object->attributes) state.name = decimal_name(state.name);
+      } else if (part.name == "param_groups") {
+        for (auto& group : part.object->attributes) {
+          if (!group.object) continue;
+          for (auto& entry : group.object->attributes) {
+            if (entry.name.rfind("params/", 0) == 0 && entry.value.isString()) {
+              entry.value = decimal_name(entry.value.toStringRef());
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 torch::serialize::InputArchive open_archive(const std::string& dir) {
   const auto path = (fs::path(dir) / kCheckpointFile).string();
   if (!fs::exists(path)) throw std::runtime_error("--resume: no checkpoint at " + path);
   try {
     // Read by qkv, not by LibTorch's importer, which compiles the file's code (torch_file.h).
-    return qkv::detail::read_serialize_archive(qkv::detail::read_file_bytes(path, "--resume"), path);
+    return qkv::detail::read_serialize_archive(qkv::detail::read_file_bytes(path, "--resume"), path,
+                                               use_decimal_state_names);
   } catch (const c10::Error& e) {
     throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what_without_backtrace());
   } catch (const std::exception& e) {  // e.g. std::bad_alloc
