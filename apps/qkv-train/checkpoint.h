@@ -1,6 +1,7 @@
 // Training checkpoints: model, optimizer state, step, options and RNG state in one LibTorch
 // archive, replaced durably (write, fsync, rename, fsync the folder) so that a crash or power
-// loss never leaves a broken latest checkpoint.
+// loss never leaves a broken latest checkpoint. Read back by qkv's own reader of the archive
+// (src/torch_file.h: its TorchScript code is never compiled), whichever LibTorch wrote it.
 #pragma once
 
 #include <qkv/precision.h>
@@ -36,7 +37,9 @@ CheckpointState read_checkpoint_state(const std::string& dir);
 CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module& model);
 
 /// Loads DIR/checkpoint.pt into `model`, `optimizer` and `scaler` (when the checkpoint has a
-/// scaler's state and `scaler` is enabled) and restores the CPU RNG state.
+/// scaler's state and `scaler` is enabled) and restores the CPU RNG state. A checkpoint that is
+/// damaged, or whose tensors do not fit the model's parameters or the optimizer's state (shape,
+/// dtype, device), is refused with a std::runtime_error naming the file.
 CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                 qkv::GradScaler& scaler);
 
