@@ -6,6 +6,9 @@
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
+#include <sstream>
+#include <string>
+#include <type_traits>
 #include <utility>
 
 #define QKV_TORCH_AT_LEAST(major, minor) \
@@ -84,6 +87,21 @@ void disable_libuv(Options&, long) {}
 template <typename TCPStoreOptions>
 void use_classic_tcp_store(TCPStoreOptions& options) {
   detail::disable_libuv(options, 0);
+}
+
+/// The entry of `parameter` in an optimizer's state (Optimizer::state()), or its end: the state is
+/// keyed by the parameter's TensorImpl, as the address in text on LibTorch 1.x ("0x55d0c4a0b2f0",
+/// c10::guts::to_string's) and as the pointer itself on 2.x.
+template <typename State, typename Tensor>
+auto find_optimizer_state(State& state, const Tensor& parameter) {
+  using Key = typename std::decay_t<State>::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream address;
+    address << static_cast<void*>(parameter.unsafeGetTensorImpl());
+    return state.find(address.str());
+  } else {
+    return state.find(parameter.unsafeGetTensorImpl());
+  }
 }
 
 }  // namespace qkv::compat

@@ -1,12 +1,12 @@
 #include "checkpoint.h"
 
 #include "atomic_file.h"
+#include "torch_compat.h"
 #include "torch_file.h"
 
 #include <filesystem>
 #include <sstream>
 #include <stdexcept>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -132,27 +132,13 @@ void check_model_kept(const std::vector<TensorSlot>& before, torch::nn::Module& 
   }
 }
 
-// A parameter's entry in an optimizer's state: keyed by its TensorImpl's address, as text on
-// LibTorch 1.x and as the pointer on 2.x.
-template <typename State>
-auto find_state(State& state, const torch::Tensor& parameter) {
-  using Key = typename std::decay_t<State>::key_type;
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream address;  // as c10::guts::to_string writes it
-    address << static_cast<void*>(parameter.unsafeGetTensorImpl());
-    return state.find(address.str());
-  } else {
-    return state.find(parameter.unsafeGetTensorImpl());
-  }
-}
-
 // Optimizer::load gives each parameter the state saved under its key: a key two parameters share
 // leaves the second a null state (a crash at the next step), and the state's tensors are whatever the
 // file holds. Each must be a tensor of its parameter's shape, dtype and device, its step not negative.
 void check_optimizer_state(torch::optim::Optimizer& optimizer) {
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& parameter : group.params()) {
-      const auto found = find_state(optimizer.state(), parameter);
+      const auto found = qkv::compat::find_optimizer_state(optimizer.state(), parameter);
       if (found == optimizer.state().end()) continue;  // no step yet
       if (found->second == nullptr) throw std::runtime_error("its optimizer state names one parameter's state twice");
       std::vector<std::pair<std::string, torch::Tensor>> tensors;
