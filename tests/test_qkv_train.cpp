@@ -290,6 +290,9 @@ TEST(TrainTasks, CtrlCOutsideTrainingEndsTheProgramAtOnce) {
       out.string() +
       " & pid=$!; for i in $(seq 600); do mask=$(awk '/^SigBlk/ { print $2 }' /proc/$pid/status); "
       "[ $(( 0x${mask:-0} & 2 )) -ne 0 ] && echo blocked && break; sleep 0.1; done; "
+      // What the process was when the signal went, for a failure's message (it once ran to its end
+      // under load, 2026-12-05, Debian 13, not reproduced since).
+      "grep -E '^(State|SigPnd|ShdPnd|SigBlk|SigIgn|SigCgt|Threads)' /proc/$pid/status | tr '\\n' ' '; echo; "
       "kill -INT $pid; wait $pid; echo exit=$?";
   auto run = qkv_test::run_command(command);
   ASSERT_THAT(run.output, HasSubstr("blocked")) << "qkv-train never blocked SIGINT for its signal thread";
