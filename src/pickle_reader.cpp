@@ -20,6 +20,7 @@
 #include <memory>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -39,8 +40,8 @@ struct Value {
   enum class Kind { None, Bool, Int, Float, String, Tuple, List, Dict, Global, Class, Object, Storage, Tensor };
   Kind kind = Kind::None;
   int64_t integer = 0;          // Int; Storage: its elements
-  std::string text;             // String; Global, Class: "module.name"
-  std::vector<ValuePtr> items;  // Tuple: its items; Dict: keys and values, alternating
+  std::string text;             // String; Global: "module.name"
+  std::vector<ValuePtr> items;  // Tuple: its items; Dict (Archive): keys and values, alternating
   int nesting = 1;              // containers inside containers, itself included
   bool contained = false;       // List, Dict, Object: placed inside another value, so finished
   bool function = false;        // Global: callable (a storage type is not)
@@ -272,7 +273,7 @@ class PickleMachine {
       if (items.size() % 2 != 0) fail(std::string(opcode) + " gives a dict a key without a value");
       auto dict = target.ivalue.toGenericDict();
       for (size_t i = 0; i < items.size(); i += 2) dict.insert_or_assign(items[i]->ivalue, items[i + 1]->ivalue);
-      target.items.insert(target.items.end(), items.begin(), items.end());  // for BUILD of an archive's object
+      if (use_ == Use::Archive) target.items.insert(target.items.end(), items.begin(), items.end());  // for BUILD
     }
   }
 
@@ -293,9 +294,7 @@ class PickleMachine {
   // --- globals, storages, tensors ---
   void global(const std::string& module, const std::string& name) {
     if (use_ == Use::Archive && is_archive_class(module, name)) {
-      auto c = make(Value::Kind::Class);
-      c->text = module + "." + name;
-      push(std::move(c));
+      push(make(Value::Kind::Class));
       return;
     }
     auto g = make(Value::Kind::Global);
@@ -333,33 +332,31 @@ class PickleMachine {
     }
     auto storage = make(Value::Kind::Storage);
     storage->integer = elements;
-    {
-      // Every tensor over one key shares one storage, as in Python. A weights file's are loaded to
-      // the CPU wherever they were saved (a GPU's weights load on a machine without one); the
-      // module's parameters then take them to their own device.
-      auto found = storages_.find(entry);
-      if (found == storages_.end() || found->second.nbytes() < uint64_t(elements) * element_size) {
-        at::DataPtr data = elements > 0 ? entries_.read(entry) : at::DataPtr(nullptr, at::Device(at::kCPU));
-        found = storages_
-                    .insert_or_assign(entry, at::Storage(c10::Storage::use_byte_size_t(), elements * element_size,
-                                                         std::move(data), /*allocator=*/nullptr, /*resizable=*/false))
-                    .first;
+    // Every tensor over one key shares one storage, as in Python. A weights file's are loaded to
+    // the CPU wherever they were saved (a GPU's weights load on a machine without one); the
+    // module's parameters then take them to their own device.
+    auto found = storages_.find(entry);
+    if (found == storages_.end() || found->second.nbytes() < uint64_t(elements) * element_size) {
+      at::DataPtr data = elements > 0 ? entries_.read(entry) : at::DataPtr(nullptr, at::Device(at::kCPU));
+      found = storages_
+                  .insert_or_assign(entry, at::Storage(c10::Storage::use_byte_size_t(), elements * element_size,
+                                                       std::move(data), /*allocator=*/nullptr, /*resizable=*/false))
+                  .first;
+    }
+    storage->ivalue = at::empty({0}, at::TensorOptions().dtype(type)).set_(found->second);
+    const auto& location = a[3]->text;
+    if (use_ == Use::Archive && location != "cpu") {
+      // A checkpoint's tensors go back where they were saved, as LibTorch's reader puts them: a
+      // CUDA run's parameters and optimizer state to the GPU (Module::load moves a parameter to
+      // the device of the tensor it reads). One copy per entry and device, shared as saved.
+      const auto key = entry + "@" + location;
+      auto moved = device_storages_.find(key);
+      const auto& cpu = storage->ivalue.toTensor();
+      if (moved == device_storages_.end() || moved->second.nbytes() < cpu.storage().nbytes()) {
+        moved = device_storages_.insert_or_assign(key, cpu.to(at::Device(location)).storage()).first;
       }
-      storage->ivalue = at::empty({0}, at::TensorOptions().dtype(type)).set_(found->second);
-      const auto& location = a[3]->text;
-      if (use_ == Use::Archive && location != "cpu") {
-        // A checkpoint's tensors go back where they were saved, as LibTorch's reader puts them: a
-        // CUDA run's parameters and optimizer state to the GPU (Module::load moves a parameter to
-        // the device of the tensor it reads). One copy per entry and device, shared as saved.
-        const auto key = entry + "@" + location;
-        auto moved = device_storages_.find(key);
-        const auto& cpu = storage->ivalue.toTensor();
-        if (moved == device_storages_.end() || moved->second.nbytes() < cpu.storage().nbytes()) {
-          moved = device_storages_.insert_or_assign(key, cpu.to(at::Device(location)).storage()).first;
-        }
-        storage->ivalue =
-            at::empty({0}, at::TensorOptions().dtype(type).device(moved->second.device())).set_(moved->second);
-      }
+      storage->ivalue =
+          at::empty({0}, at::TensorOptions().dtype(type).device(moved->second.device())).set_(moved->second);
     }
     push(std::move(storage));
   }
@@ -424,26 +421,24 @@ class PickleMachine {
       push(rebuild_tensor(*argument));
       return;
     }
-    {
-      if (name == "collections.OrderedDict") {
-        if (argument->kind != Value::Kind::Tuple || !argument->items.empty()) {
-          fail("builds an OrderedDict from arguments; torch.save gives it none and then its items");
-        }
-        auto dict = new_dict();
-        dict->ordered_dict = true;
-        push(std::move(dict));
-        return;
+    if (name == "collections.OrderedDict") {
+      if (argument->kind != Value::Kind::Tuple || !argument->items.empty()) {
+        fail("builds an OrderedDict from arguments; torch.save gives it none and then its items");
       }
-      if (name == "torch._utils._rebuild_parameter") {  // (data, requires_grad, hooks): the data
-        if (argument->kind != Value::Kind::Tuple || argument->items.empty() ||
-            argument->items[0]->kind != Value::Kind::Tensor) {
-          fail("rebuilds a parameter from arguments other than (tensor, requires_grad, hooks)");
-        }
-        push(argument->items[0]);
-        return;
-      }
-      fail(std::string(opcode) + " calls " + name + " with arguments it does not take");
+      auto dict = new_dict();
+      dict->ordered_dict = true;
+      push(std::move(dict));
+      return;
     }
+    if (name == "torch._utils._rebuild_parameter") {  // (data, requires_grad, hooks): the data
+      if (argument->kind != Value::Kind::Tuple || argument->items.empty() ||
+          argument->items[0]->kind != Value::Kind::Tensor) {
+        fail("rebuilds a parameter from arguments other than (tensor, requires_grad, hooks)");
+      }
+      push(argument->items[0]);
+      return;
+    }
+    fail(std::string(opcode) + " calls " + name + " with arguments it does not take");
   }
 
   // NEWOBJ: class(*arguments). An archive's objects are made with no arguments, then built.
@@ -456,9 +451,7 @@ class PickleMachine {
     if (arguments->kind != Value::Kind::Tuple || !arguments->items.empty()) {
       fail("NEWOBJ gives an archive's object arguments; LibTorch gives it none and then its attributes");
     }
-    auto object = make(Value::Kind::Object);
-    object->text = type->text;
-    push(std::move(object));
+    push(make(Value::Kind::Object));
   }
 
   // BUILD: the object below takes the state on top as its attributes. A weights file's only such
@@ -475,7 +468,7 @@ class PickleMachine {
     if (target.object) fail("BUILD gives an object attributes a second time");
     if (state->kind != Value::Kind::Dict) fail("BUILD gives an object attributes other than a dict");
     auto object = std::make_shared<ArchiveObject>();
-    std::unordered_map<std::string, size_t> seen;
+    std::unordered_set<std::string> seen;
     for (size_t i = 0; i + 1 < state->items.size(); i += 2) {
       const auto& key = state->items[i];
       const auto& value = state->items[i + 1];
@@ -484,7 +477,7 @@ class PickleMachine {
         fail("names an attribute \"" + printable(key->text) +
              "\"; expected letters, digits, '_' and '/' (not a Python keyword, not starting with __)");
       }
-      if (!seen.emplace(key->text, i).second) fail("gives an object the attribute " + key->text + " twice");
+      if (!seen.insert(key->text).second) fail("gives an object the attribute " + key->text + " twice");
       contain(target, value);
       object->attributes.push_back(archive_attribute(key->text, *value));
     }

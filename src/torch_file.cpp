@@ -8,7 +8,6 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
-#include <torch/serialize/output-archive.h>
 
 #include <cerrno>
 #include <cstring>
@@ -83,12 +82,16 @@ class CheckedArchive {
 
 namespace {
 
-// Python writes the byte order since PyTorch 2.1; qkv reads little-endian files only.
-void check_byte_order(CheckedArchive& archive, const std::string& name) {
-  if (!archive.has("byteorder")) return;
-  const auto [order, order_size] = archive.record("byteorder");
-  TORCH_CHECK(std::string(static_cast<const char*>(order.get()), order_size) == "little", name,
-              " was written on a big-endian machine, whose tensors qkv does not read");
+// The archive's pickle, data.pkl, of a little-endian file (Python writes the byte order since
+// PyTorch 2.1); `writer` names what should have written it, for the refusal.
+std::pair<at::DataPtr, size_t> data_pickle(CheckedArchive& archive, const std::string& name, const char* writer) {
+  TORCH_CHECK(archive.has("data.pkl"), name, " holds no data.pkl, so it was not written by ", writer);
+  if (archive.has("byteorder")) {
+    const auto [order, order_size] = archive.record("byteorder");
+    TORCH_CHECK(std::string(static_cast<const char*>(order.get()), order_size) == "little", name,
+                " was written on a big-endian machine, whose tensors qkv does not read");
+  }
+  return archive.record("data.pkl");
 }
 
 void write_object(const ArchiveObject& object, torch::serialize::OutputArchive& archive) {
@@ -105,30 +108,33 @@ void write_object(const ArchiveObject& object, torch::serialize::OutputArchive& 
 
 }  // namespace
 
+std::vector<char> archive_bytes(torch::serialize::OutputArchive& archive) {
+  std::vector<char> bytes;
+  archive.save_to([&](const void* data, size_t size) -> size_t {
+    bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
+    return size;
+  });
+  return bytes;
+}
+
 torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& bytes, const std::string& path,
                                                       const std::function<void(ArchiveObject& root)>& adjust) {
   TORCH_CHECK(!bytes.empty(), path, " is empty; expected a checkpoint written by LibTorch's OutputArchive");
   std::shared_ptr<ArchiveObject> root;
   {
     CheckedArchive archive(bytes, path);
-    TORCH_CHECK(archive.has("data.pkl"), path, " holds no data.pkl, so it was not written by LibTorch's OutputArchive");
-    check_byte_order(archive, path);
-    const auto [pickle, pickle_size] = archive.record("data.pkl");
+    const auto [pickle, pickle_size] = data_pickle(archive, path, "LibTorch's OutputArchive");
     root = read_archive_pickle(static_cast<const char*>(pickle.get()), pickle_size, "data/", archive.storages(),
                                path + ": data.pkl");
   }
   if (adjust) adjust(*root);
   // The objects as LibTorch writes them: its importer compiles the class definitions written
   // here, from the attributes read above, and nothing of the file's code/.
-  std::vector<char> rewritten;
   torch::serialize::InputArchive result;
   try {
     torch::serialize::OutputArchive archive;
     write_object(*root, archive);
-    archive.save_to([&](const void* data, size_t size) -> size_t {
-      rewritten.insert(rewritten.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
-      return size;
-    });
+    const auto rewritten = archive_bytes(archive);
     result.load_from(rewritten.data(), rewritten.size());
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, path, ": LibTorch could not take its objects: ", e.what_without_backtrace());
@@ -142,11 +148,8 @@ c10::IValue read_torch_file(const std::vector<char>& bytes, const std::string& n
   TORCH_CHECK(!bytes.empty(), caller, ": ", name, " is empty; expected a file written by torch.save");
   try {
     CheckedArchive archive(bytes, name);
-    TORCH_CHECK(archive.has("data.pkl"), name,
-                " holds no data.pkl, so it was not written by torch.save (a TorchScript module from torch.jit.save, "
-                "or a zip file of something else?)");
-    check_byte_order(archive, name);
-    const auto [pickle, pickle_size] = archive.record("data.pkl");
+    const auto [pickle, pickle_size] = data_pickle(
+        archive, name, "torch.save (a TorchScript module from torch.jit.save, or a zip file of something else?)");
     return read_weights_pickle(static_cast<const char*>(pickle.get()), pickle_size, "data/", archive.storages(),
                                name + ": data.pkl");
   } catch (const c10::Error& e) {

@@ -7,6 +7,7 @@
 
 #include <ATen/core/ivalue.h>
 #include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <functional>
 #include <string>
@@ -22,6 +23,9 @@ std::vector<char> read_file_bytes(const std::string& path, const char* caller);
 /// its input. Plain data and CPU tensors; an OrderedDict (Python's state_dict()) reads as a dict.
 /// A damaged or crafted file is refused with a c10::Error "<caller>: <name>: ...".
 c10::IValue read_torch_file(const std::vector<char>& bytes, const std::string& name, const char* caller);
+
+/// The file torch::serialize::OutputArchive::save_to writes, in memory.
+std::vector<char> archive_bytes(torch::serialize::OutputArchive& archive);
 
 /// The torch::serialize::OutputArchive in `bytes` (qkv-train's checkpoints), open for reading,
 /// without LibTorch's importer ever compiling the file's own code: the archive checked

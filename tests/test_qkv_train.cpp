@@ -8,8 +8,6 @@
 #include "support/apps.h"
 #include "support/fixtures.h"
 
-#include <caffe2/serialize/in_memory_adapter.h>
-#include <caffe2/serialize/inline_container.h>
 #include <gmock/gmock.h>
 #include <nlohmann/json.hpp>
 
@@ -555,28 +553,13 @@ TEST(TrainTasks, ACheckpointsCodeIsNeverCompiledSoItCannotCrashTheResume) {
   ASSERT_EQ(train(kSmallReverse + "--steps 6 --log-every 1 --out " + split.string()).exit_code, 0);
   // Every class definition replaced by the fuzzer's (an unknown class constant), CRCs right.
   const auto path = split / "checkpoint.pt";
-  const auto bytes = read_file(path);
-  std::string rewritten;
   int replaced = 0;
-  {
-    caffe2::serialize::PyTorchStreamReader reader(
-        std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
-    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) -> size_t {
-      rewritten.append(static_cast<const char*>(data), size);
-      return size;
-    });
-    for (const auto& name : reader.getAllRecords()) {
-      if (name == "version") continue;  // the writer writes its own
-      auto [record, size] = reader.getRecord(name);
-      std::string contents(static_cast<const char*>(record.get()), size);
-      if (name.size() > 3 && name.compare(name.size() - 3, 3, ".py") == 0) {
-        contents = "class Module(Module):\n  __parameterlibpythons__ = []\n";
-        ++replaced;
-      }
-      writer.writeRecord(name, contents.data(), contents.size());
+  const auto rewritten = rewrite_archive(read_file(path), [&](const std::string& name, std::string& contents) {
+    if (name.size() > 3 && name.compare(name.size() - 3, 3, ".py") == 0) {
+      contents = "class Module(Module):\n  __parameterlibpythons__ = []\n";
+      ++replaced;
     }
-    writer.writeEndOfFile();
-  }
+  });
   ASSERT_GT(replaced, 3);
   std::ofstream(path, std::ios::binary | std::ios::trunc) << rewritten;
 

@@ -34,11 +34,7 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
     archive.write("options", c10::IValue(state.options.dump()));
     archive.write("task_state", c10::IValue(state.task_state.dump()));
     archive.write("cpu_rng_state", at::detail::getDefaultCPUGenerator().get_state());
-    std::vector<char> bytes;
-    archive.save_to([&](const void* data, size_t size) -> size_t {
-      bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + size);
-      return size;
-    });
+    const auto bytes = qkv::detail::archive_bytes(archive);
     qkv::detail::write_file_atomically(path, bytes.data(), bytes.size());
   } catch (const c10::Error& e) {
     throw std::runtime_error("cannot write checkpoint " + path + ": " + e.what_without_backtrace());
@@ -93,43 +89,49 @@ torch::serialize::InputArchive open_archive(const std::string& dir) {
   }
 }
 
-// What a tensor of the model must keep when a checkpoint loads into it.
+// What a tensor must keep when a checkpoint loads into it: its shape, dtype and device.
 struct TensorSlot {
-  std::string name;
+  explicit TensorSlot(const torch::Tensor& t) : sizes(t.sizes().vec()), dtype(t.dtype()), device(t.device()) {}
+  bool operator!=(const TensorSlot& other) const {
+    return sizes != other.sizes || dtype != other.dtype || device != other.device;
+  }
+  std::string text() const {
+    std::ostringstream out;
+    out << c10::IntArrayRef(sizes) << " " << dtype << " on " << device;
+    return out.str();
+  }
+
   std::vector<int64_t> sizes;
   caffe2::TypeMeta dtype;
   torch::Device device;
 };
 
-std::vector<TensorSlot> slots_of(torch::nn::Module& model) {
-  std::vector<TensorSlot> slots;
-  const auto add = [&](const std::string& name, const torch::Tensor& t) {
-    slots.push_back({name, t.sizes().vec(), t.dtype(), t.device()});
-  };
-  for (const auto& item : model.named_parameters()) add(item.key(), item.value());
-  for (const auto& item : model.named_buffers()) add(item.key(), item.value());
+std::vector<std::pair<std::string, TensorSlot>> slots_of(torch::nn::Module& model) {
+  std::vector<std::pair<std::string, TensorSlot>> slots;
+  for (const auto& item : model.named_parameters()) slots.emplace_back(item.key(), TensorSlot(item.value()));
+  for (const auto& item : model.named_buffers()) slots.emplace_back(item.key(), TensorSlot(item.value()));
   return slots;
-}
-
-std::string describe(c10::IntArrayRef sizes, caffe2::TypeMeta dtype, const torch::Device& device) {
-  std::ostringstream text;
-  text << sizes << " " << dtype << " on " << device;
-  return text.str();
 }
 
 // Module::load sets each tensor to what the file holds (Tensor::set_, or set_data across devices),
 // whatever its shape, dtype and device: a checkpoint of another model would leave this one reshaped.
 // A checkpoint of this model keeps them.
-void check_model_kept(const std::vector<TensorSlot>& before, torch::nn::Module& model) {
+void check_model_kept(const std::vector<std::pair<std::string, TensorSlot>>& before, torch::nn::Module& model) {
   const auto after = slots_of(model);
   for (size_t i = 0; i < before.size() && i < after.size(); ++i) {
-    const auto& b = before[i];
-    const auto& a = after[i];
-    if (b.sizes != a.sizes || b.dtype != a.dtype || b.device != a.device) {
-      throw std::runtime_error("its " + b.name + " is " + describe(a.sizes, a.dtype, a.device) +
-                               ", where the model's is " + describe(b.sizes, b.dtype, b.device));
+    const auto& [name, slot] = before[i];
+    if (after[i].second != slot) {
+      throw std::runtime_error("its " + name + " is " + after[i].second.text() + ", where the model's is " +
+                               slot.text());
     }
   }
+}
+
+// The tensors of Adam's and AdamW's state (two classes of the same fields) and its step.
+template <typename AdamState>
+std::pair<std::vector<std::pair<std::string, torch::Tensor>>, int64_t> adam_moments(const AdamState& state) {
+  return {{{"exp_avg", state.exp_avg()}, {"exp_avg_sq", state.exp_avg_sq()}, {"max_exp_avg_sq", state.max_exp_avg_sq()}},
+          state.step()};
 }
 
 // Optimizer::load gives each parameter the state saved under its key: a key two parameters share
@@ -141,29 +143,21 @@ void check_optimizer_state(torch::optim::Optimizer& optimizer) {
       const auto found = qkv::compat::find_optimizer_state(optimizer.state(), parameter);
       if (found == optimizer.state().end()) continue;  // no step yet
       if (found->second == nullptr) throw std::runtime_error("its optimizer state names one parameter's state twice");
-      std::vector<std::pair<std::string, torch::Tensor>> tensors;
-      int64_t step = 0;
+      std::pair<std::vector<std::pair<std::string, torch::Tensor>>, int64_t> state;  // tensors, step
       if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(found->second.get())) {
-        tensors = {{"exp_avg", adam->exp_avg()},
-                   {"exp_avg_sq", adam->exp_avg_sq()},
-                   {"max_exp_avg_sq", adam->max_exp_avg_sq()}};
-        step = adam->step();
+        state = adam_moments(*adam);
       } else if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(found->second.get())) {
-        tensors = {{"exp_avg", adamw->exp_avg()},
-                   {"exp_avg_sq", adamw->exp_avg_sq()},
-                   {"max_exp_avg_sq", adamw->max_exp_avg_sq()}};
-        step = adamw->step();
+        state = adam_moments(*adamw);
       } else if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(found->second.get())) {
-        tensors = {{"momentum_buffer", sgd->momentum_buffer()}};
+        state = {{{"momentum_buffer", sgd->momentum_buffer()}}, 0};
       }
+      const auto& [tensors, step] = state;
       if (step < 0) throw std::runtime_error("its optimizer state has step " + std::to_string(step));
+      const TensorSlot expected(parameter);
       for (const auto& [name, tensor] : tensors) {
-        if (!tensor.defined()) continue;
-        if (tensor.sizes() != parameter.sizes() || tensor.dtype() != parameter.dtype() ||
-            tensor.device() != parameter.device()) {
-          throw std::runtime_error("its optimizer state's " + name + " is " +
-                                   describe(tensor.sizes(), tensor.dtype(), tensor.device()) + ", where its parameter is " +
-                                   describe(parameter.sizes(), parameter.dtype(), parameter.device()));
+        if (tensor.defined() && TensorSlot(tensor) != expected) {
+          throw std::runtime_error("its optimizer state's " + name + " is " + TensorSlot(tensor).text() +
+                                   ", where its parameter is " + expected.text());
         }
       }
     }

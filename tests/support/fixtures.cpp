@@ -3,6 +3,9 @@
 #include "kernels/tiled/tiled_cpu.h"
 #include "torch_file.h"
 
+#include <caffe2/serialize/in_memory_adapter.h>
+#include <caffe2/serialize/inline_container.h>
+
 #include <cmath>
 #include <fstream>
 #include <iterator>
@@ -127,6 +130,26 @@ void expect_gradients_match(const Fixture& fixture, const torch::nn::Module& mod
                                          << " (max |expected| " << max_abs(expected) << ", scale " << scale << ")";
   }
   return ::testing::AssertionSuccess();
+}
+
+std::string rewrite_archive(const std::string& bytes,
+                            const std::function<void(const std::string& name, std::string& contents)>& change) {
+  caffe2::serialize::PyTorchStreamReader reader(
+      std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
+  std::string rewritten;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) -> size_t {
+    rewritten.append(static_cast<const char*>(data), size);
+    return size;
+  });
+  for (const auto& name : reader.getAllRecords()) {
+    if (name == "version") continue;  // the writer writes its own
+    const auto [record, size] = reader.getRecord(name);
+    std::string contents(static_cast<const char*>(record.get()), size);
+    change(name, contents);
+    writer.writeRecord(name, contents.data(), contents.size());
+  }
+  writer.writeEndOfFile();
+  return rewritten;
 }
 
 }  // namespace qkv_test

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <string>
 
@@ -16,6 +17,12 @@ namespace qkv_test {
 
 /// Path of a file in tests/data.
 std::string data_path(const std::string& name);
+
+/// The zip archive `bytes` (torch.save's, or a checkpoint) written again by LibTorch's writer, CRCs
+/// and offsets right, each entry's contents through `change` (its name relative to the archive's
+/// folder, "code/__torch__.py"): a file damaged or crafted past the archive check.
+std::string rewrite_archive(const std::string& bytes,
+                            const std::function<void(const std::string& name, std::string& contents)>& change);
 
 /// One fixture: a flat dict of tensors and config scalars (see scripts/gen_reference.py).
 class Fixture {
