@@ -532,6 +532,9 @@ TEST(ModuleAgrees, RandomModulesMasksLayoutsAndDtypesAgainstAPlainReference) {
       ++refused;  // an explicit backend may refuse what it does not take (Fused on LibTorch 1.13)
       if (std::getenv("QKV_MODULE_VERBOSE") != nullptr) std::cout << c.describe() << ": refused: " << e.msg() << "\n";
       continue;
+    } catch (const std::exception& e) {  // anything else is a failure of the case, which the report names
+      ++failures, ADD_FAILURE() << c.describe() << " threw " << e.what();
+      continue;
     }
     if (!report.empty()) ++failures, ADD_FAILURE() << report;
   }
@@ -635,6 +638,8 @@ TEST(ModuleAgrees, DecodingInRandomPiecesAgainstAPlainReference) {
     } catch (const c10::Error& e) {
       if (std::string(e.msg()).find("fused backend needs LibTorch") != std::string::npos) continue;  // 1.13
       report = "seed " + std::to_string(seed) + ": " + e.msg();
+    } catch (const std::exception& e) {
+      report = "seed " + std::to_string(seed) + " threw " + e.what();
     }
     if (!report.empty()) ++failures, ADD_FAILURE() << report;
   }

@@ -6,8 +6,12 @@
 #include <gmock/gmock.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -44,6 +48,69 @@ TEST(AutocastGuard, SelfAttentionUnderAutocastIsCloseToFloat32) {
   EXPECT_EQ(mixed.scalar_type(), torch::kBFloat16);
   EXPECT_TRUE(qkv_test::tensors_close(mixed.to(torch::kFloat), reference,
                                       qkv_test::tolerance_for(torch::kBFloat16, 64)));
+}
+
+// The math path computes bfloat16 inputs in float32 and rounds once at the end (src/kernels/math.cpp),
+// and it must do so inside an autocast scope too, where LibTorch's CPU autocast would otherwise
+// turn its float32 products back into bfloat16 ones: on LibTorch 1.13 the output and every gradient
+// here were then off by 7 to 60 times one rounding, and the backward of some operands failed
+// outright ("could not execute a primitive", 1.13's oneDNN: ModuleAgrees' seed 9249, grouped heads
+// of width 1 with a learned mask). Against softmax(q kᵀ/√d + bias) v and its gradients in float64
+// from the same bfloat16 numbers, each within one bfloat16 rounding of its own size.
+TEST(AutocastGuard, TheMathPathMultipliesInFloat32InsideAnAutocastScope) {
+  torch::manual_seed(9);
+  struct Shape {
+    int64_t B, H, Hkv, N, S, D;
+  };
+  for (const auto& shape : {Shape{1, 2, 2, 8, 1000, 16}, Shape{1, 6, 2, 257, 7, 1}}) {
+    const auto leaf = [](std::vector<int64_t> sizes) {
+      return torch::randn(sizes).to(torch::kBFloat16).requires_grad_(true);
+    };
+    const auto q = leaf({shape.B, shape.H, shape.N, shape.D});
+    const auto k = leaf({shape.B, shape.Hkv, shape.S, shape.D});
+    const auto v = leaf({shape.B, shape.Hkv, shape.S, shape.D});
+    const auto bias = torch::randn({shape.N, shape.S}).requires_grad_(true);  // a learned float32 mask
+    const auto grad_out = torch::randn({shape.B, shape.H, shape.N, shape.D}).to(torch::kBFloat16);
+    torch::Tensor out;
+    {
+      const qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      out = qkv::scaled_dot_product_attention(q, k, v,
+                                              qkv::ScaledDotProductAttentionOptions()
+                                                  .mask(bias)
+                                                  .enable_gqa(true)
+                                                  .backend(qkv::AttentionBackend::Math))
+                .output;
+    }
+    ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
+    out.backward(grad_out);
+
+    // The reference in float64, written out here: each key/value head repeated for its G query heads.
+    const int64_t G = shape.H / shape.Hkv;
+    const auto wide = [](const torch::Tensor& t) { return t.detach().to(torch::kDouble).requires_grad_(true); };
+    const auto q64 = wide(q), k64 = wide(k), v64 = wide(v), bias64 = wide(bias);
+    const auto scores = torch::matmul(q64, k64.repeat_interleave(G, 1).transpose(-2, -1)) /
+                            std::sqrt(static_cast<double>(shape.D)) +
+                        bias64;
+    const auto expected = torch::matmul(torch::softmax(scores, -1), v64.repeat_interleave(G, 1));
+    expected.backward(grad_out.to(torch::kDouble));
+
+    const double one_rounding = std::ldexp(1.0, -8);  // bfloat16's unit roundoff: one rounding's worst relative error
+    const std::string what = "B " + std::to_string(shape.B) + " H " + std::to_string(shape.H) + " Hkv " +
+                             std::to_string(shape.Hkv) + " N " + std::to_string(shape.N) + " S " +
+                             std::to_string(shape.S) + " D " + std::to_string(shape.D);
+    for (const auto& [name, actual, reference] :
+         std::vector<std::tuple<std::string, torch::Tensor, torch::Tensor>>{{"output", out, expected},
+                                                                            {"dq", q.grad(), q64.grad()},
+                                                                            {"dk", k.grad(), k64.grad()},
+                                                                            {"dv", v.grad(), v64.grad()},
+                                                                            {"dbias", bias.grad(), bias64.grad()}}) {
+      const auto error = (actual.to(torch::kDouble) - reference).abs();
+      const auto allowed = one_rounding * reference.abs() + 1e-4 * reference.abs().max();
+      EXPECT_TRUE((error <= allowed).all().item<bool>())
+          << what << ": " << name << " off by up to " << error.max().item<double>() << " (largest value "
+          << reference.abs().max().item<double>() << ")";
+    }
+  }
 }
 
 // A cache made inside an autocast scope holds the keys in the autocast dtype; decoding through it

@@ -5,9 +5,12 @@
 // S = key positions, D = head width, Dv = value width.
 #include "kernels/kernels.h"
 
+#include <qkv/precision.h>
+
 #include <torch/torch.h>
 
 #include <limits>
+#include <optional>
 
 namespace qkv::kernels {
 
@@ -17,8 +20,12 @@ AttentionResult math_attention(const torch::Tensor& q_in, const torch::Tensor& k
   // math SDPA does: LibTorch's CPU bfloat16 matmul accumulates in bfloat16 for small operands (1.13:
   // 8% off for a sum of 1000 terms), which would make the reference less exact than the kernels it
   // checks. (It also fails outright, "could not execute a primitive", on some strided operands.)
+  // Inside an autocast scope too: its CPU autocast would multiply the float32 operands in bfloat16
+  // again, so autocast is off for this function's operations (and so for their backward).
   const auto dtype = q_in.scalar_type();
   const bool upcast = q_in.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
+  std::optional<AutocastGuard> float32_products;
+  if (upcast) float32_products.emplace(q_in.device(), dtype, /*enabled=*/false);
   const auto q = upcast ? q_in.to(torch::kFloat) : q_in;
   const auto k = upcast ? k_in.to(torch::kFloat) : k_in;
   const auto v = upcast ? v_in.to(torch::kFloat) : v_in;
