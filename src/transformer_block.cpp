@@ -7,6 +7,7 @@
 
 #include "activation.h"
 #include "linear.h"
+#include "torch_compat.h"
 
 #include <torch/torch.h>
 
@@ -57,10 +58,18 @@ torch::Tensor TransformerBlockImpl::mlp(const torch::Tensor& x) {
                         mlp_proj->bias);  // (…, E) -> (…, mlp_ratio·E) -> (…, E)
 }
 
+namespace {
+
+void check_input(const torch::Tensor& x, int64_t d_model, const char* caller) {
+  TORCH_CHECK(x.defined() && (x.dim() == 2 || x.dim() == 3) && x.size(-1) == d_model, caller,
+              ": expected x of shape (B, N, ", d_model, ") or (N, ", d_model, "), got ",
+              x.defined() ? x.sizes() : c10::IntArrayRef{});
+}
+
+}  // namespace
+
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const AttentionMask& mask) {
-  TORCH_CHECK(x.defined() && (x.dim() == 2 || x.dim() == 3) && x.size(-1) == options.d_model(),
-              "TransformerBlock: expected x of shape (B, N, ", options.d_model(), ") or (N, ", options.d_model(),
-              "), got ", x.defined() ? x.sizes() : c10::IntArrayRef{});
+  check_input(x, options.d_model(), "TransformerBlock");
   if (!options.checkpoint()) return plain_forward(x, mask);
   // Checkpointed: the function holds the block (a shared pointer where it is owned by one, as
   // TORCH_MODULE's holder does) until the backward.
@@ -116,17 +125,31 @@ torch::Tensor TransformerBlockImpl::checkpointed_branches(const torch::Tensor& x
   return h + checkpoint(mlp, {h}, parameters_of({ln_2.get(), mlp_fc.get(), mlp_proj.get()}));  // (B, N, E)
 }
 
+namespace {
+
+// A LayerNorm's forward through compat::layer_norm (rounded once in half precision on every LibTorch).
+torch::Tensor normalise(const torch::nn::LayerNorm& norm, const torch::Tensor& x) {
+  return compat::layer_norm(x, norm->options.normalized_shape(), norm->weight, norm->bias, norm->options.eps());
+}
+
+}  // namespace
+
 torch::Tensor TransformerBlockImpl::attention_branch(const torch::Tensor& x, const AttentionMask& mask) {
-  return residual_dropout(attn(ln_1(x), /*context=*/torch::Tensor(), mask));  // (B, N, E)
+  return residual_dropout(attn(normalise(ln_1, x), /*context=*/torch::Tensor(), mask));  // (B, N, E)
 }
 
 torch::Tensor TransformerBlockImpl::mlp_branch(const torch::Tensor& h) {
-  return residual_dropout(mlp(ln_2(h)));  // (B, N, E)
+  return residual_dropout(mlp(normalise(ln_2, h)));  // (B, N, E)
 }
 
 torch::Tensor TransformerBlockImpl::plain_forward(const torch::Tensor& x, const AttentionMask& mask) {
   const auto h = x + attention_branch(x, mask);  // (B, N, E)
   return h + mlp_branch(h);                       // (B, N, E)
+}
+
+torch::Tensor TransformerBlockImpl::attention_weights(const torch::Tensor& x, const AttentionMask& mask) {
+  check_input(x, options.d_model(), "TransformerBlock::attention_weights");
+  return attn->forward_with_weights(normalise(ln_1, x), /*context=*/torch::Tensor(), mask).weights;
 }
 
 KVCache TransformerBlockImpl::make_cache(int64_t batch, int64_t capacity) const {
@@ -140,7 +163,7 @@ torch::Tensor TransformerBlockImpl::forward_with_cache(const torch::Tensor& x, K
   TORCH_CHECK(!(is_training() && options.dropout() > 0.0),
               "TransformerBlock::forward_with_cache: the block is in training mode with dropout ", options.dropout(),
               "; cached decoding is inference, so call eval() first");
-  auto h = x + residual_dropout(attn->forward_with_cache(ln_1(x), cache));  // (B, T, E)
+  auto h = x + residual_dropout(attn->forward_with_cache(normalise(ln_1, x), cache));  // (B, T, E)
   return h + mlp_branch(h);                                                 // (B, T, E)
 }
 

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <string>
 
 namespace {
 
@@ -39,10 +40,16 @@ int failed_draws(uint32_t first, uint32_t last, const std::function<AttentionCas
   return failures;
 }
 
-// 500 cases from fixed seeds. QKV_AGREE_SEED=N reruns draw seed N alone (e.g. under a debugger).
+// 500 cases from fixed seeds. QKV_AGREE_SEED=N reruns draw seed N alone (e.g. under a debugger),
+// QKV_AGREE_SEED=first:last the seeds first .. last - 1 (to explore others).
 TEST(BackendsAgree, RandomCasesOverLayoutsMasksDtypesAndBackends) {
   uint32_t first = 0, last = 500;
-  if (const char* only = std::getenv("QKV_AGREE_SEED")) first = static_cast<uint32_t>(std::stoul(only)), last = first + 1;
+  if (const char* chosen = std::getenv("QKV_AGREE_SEED")) {
+    const std::string seeds(chosen);
+    const auto colon = seeds.find(':');
+    first = static_cast<uint32_t>(std::stoul(seeds.substr(0, colon)));
+    last = colon == std::string::npos ? first + 1 : static_cast<uint32_t>(std::stoul(seeds.substr(colon + 1)));
+  }
   EXPECT_EQ(failed_draws(first, last, [](qkv_test::Chooser& chooser, uint32_t) { return qkv_test::draw_case(chooser); }), 0);
 }
 

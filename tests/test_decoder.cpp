@@ -4,6 +4,7 @@
 #include "support/fixtures.h"
 
 #include "rope.h"
+#include "torch_compat.h"
 
 #include <gmock/gmock.h>
 
@@ -398,6 +399,65 @@ TEST(TransformerBlock, PrintsItsOptionsAndTrains) {
   block->eval();
   torch::NoGradGuard no_grad;
   EXPECT_TRUE(qkv_test::tensors_close(block(x), block(x), 0.0));
+}
+
+// The LayerNorm of qkv's blocks (and of qkv-train's language model), in bfloat16 and float16 on
+// the CPU: within one rounding of LayerNorm in float64 of the same numbers, output and gradients.
+// LibTorch 1.13's own bfloat16 LayerNorm was off by up to 1.2 on rows of 2 features whose values
+// are within ±1, and by 1% on rows of 8 (src/torch_compat.h).
+TEST(TransformerBlock, ItsLayerNormIsRoundedOnceInHalfPrecision) {
+  torch::manual_seed(16);
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (const int64_t E : {2, 8, 64}) {
+      const auto x = torch::randn({500, E}).to(dtype).requires_grad_(true);
+      const auto weight = (torch::rand({E}) + 0.5).to(dtype).requires_grad_(true);
+      const auto bias = torch::randn({E}).to(dtype).requires_grad_(true);
+      const auto upstream = torch::randn({500, E}).to(dtype);
+      torch::Tensor y;
+      try {
+        y = qkv::compat::layer_norm(x, {E}, weight, bias, 1e-5);
+      } catch (const c10::Error& e) {  // float16 LayerNorm needs LibTorch 2.x on the CPU
+        ASSERT_EQ(dtype, torch::kHalf) << e.msg();
+        continue;
+      }
+      ASSERT_EQ(y.scalar_type(), dtype);
+      y.backward(upstream);
+      const auto wide = [](const torch::Tensor& t) { return t.detach().to(torch::kDouble).requires_grad_(true); };
+      const auto x64 = wide(x), weight64 = wide(weight), bias64 = wide(bias);
+      const auto centred = x64 - x64.mean(-1, true);
+      const auto expected = centred / torch::sqrt(centred.pow(2).mean(-1, true) + 1e-5) * weight64 + bias64;
+      expected.backward(upstream.to(torch::kDouble));
+      const double unit_roundoff = dtype == torch::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+      const auto within_a_rounding = [&](const torch::Tensor& actual, const torch::Tensor& reference) {
+        const auto error = (actual.to(torch::kDouble) - reference).abs();
+        return (error <= unit_roundoff * reference.abs() + 1e-4 * reference.abs().max()).all().item<bool>();
+      };
+      const std::string what = c10::toString(dtype) + std::string(" rows of ") + std::to_string(E);
+      EXPECT_TRUE(within_a_rounding(y, expected)) << what << ": output";
+      EXPECT_TRUE(within_a_rounding(x.grad(), x64.grad())) << what << ": grad x";
+      EXPECT_TRUE(within_a_rounding(weight.grad(), weight64.grad())) << what << ": grad weight";
+      EXPECT_TRUE(within_a_rounding(bias.grad(), bias64.grad())) << what << ": grad bias";
+    }
+  }
+}
+
+// A row of equal features normalises to LayerNorm's bias, 0 here, in bfloat16 too: a block without
+// biases then attends uniformly (q = k = v = 0) and adds nothing, so it returns such rows exactly
+// as they came, and the attention's weights are 1/N. LibTorch 1.13's own bfloat16 LayerNorm gave
+// those rows values up to ±1.8 (src/torch_compat.h, layer_norm), and the block's output moved.
+TEST(TransformerBlock, RowsOfEqualFeaturesPassThroughInBFloat16) {
+  torch::manual_seed(15);
+  qkv::TransformerBlock block(qkv::TransformerBlockOptions(64, 4).bias(false));
+  block->to(torch::kBFloat16);
+  const auto levels = torch::randn({2, 9, 1}) * 3;
+  const auto x = levels.expand({2, 9, 64}).contiguous().to(torch::kBFloat16);
+  torch::NoGradGuard no_grad;
+  const auto out = block(x);
+  EXPECT_TRUE(torch::equal(out, x)) << "largest change " << (out - x).abs().max().item<double>();
+  const auto weights = block->attention_weights(x);
+  ASSERT_EQ(weights.sizes(), (std::vector<int64_t>{2, 4, 9, 9}));
+  EXPECT_TRUE(qkv_test::tensors_close(weights.to(torch::kFloat), torch::full({2, 4, 9, 9}, 1.0 / 9),
+                                      std::ldexp(1.0, -8)));
 }
 
 // ---- Misuse: a clear error, and the module and cache unchanged ----

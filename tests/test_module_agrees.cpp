@@ -121,6 +121,11 @@ ModuleCase draw(uint32_t seed) {
   c.threads = 1 + static_cast<int>(pick(3));
   c.block = !c.cross && !c.need_weights && chance(4);
   if (c.block) c.out_proj = true, c.scale = c10::nullopt, c.mlp_ratio = 1 + pick(4), c.checkpoint = chance(2);
+  // A block of width 1 is widened to 2 (no draw taken, so other seeds keep their cases): LayerNorm
+  // over one feature gives its bias whatever the input, exactly 0 in the reference and rounding
+  // noise in any implementation (1/√eps times the input's rounding: 6.5e-6 in a mask gradient
+  // that is exactly 0), which no relative measure can judge.
+  if (c.block && c.H * c.D == 1) c.D = 2;
   return c;
 }
 
@@ -514,12 +519,16 @@ std::pair<uint32_t, uint32_t> seed_range(const char* variable, std::pair<uint32_
           static_cast<uint32_t>(std::stoul(r.substr(r.find(':') + 1)))};
 }
 
-// 200 cases (4000 passed on each of LibTorch 1.13, 2.6 and 2.14 on 2026-12-05); QKV_MODULE_SEEDS=first:last
-// explores others.
+// 200 cases (4000 passed on each of LibTorch 1.13, 2.6 and 2.14 on 2026-12-05), and the seeds
+// beyond them that once found a fault: 9249 (the math path's products under autocast, in
+// bfloat16). QKV_MODULE_SEEDS=first:last explores others instead.
 TEST(ModuleAgrees, RandomModulesMasksLayoutsAndDtypesAgainstAPlainReference) {
   const auto [first, last] = seed_range("QKV_MODULE_SEEDS", {0, 200});
+  std::vector<uint32_t> seeds;
+  for (uint32_t seed = first; seed < last; ++seed) seeds.push_back(seed);
+  if (std::getenv("QKV_MODULE_SEEDS") == nullptr) seeds.push_back(9249);
   int failures = 0, refused = 0;
-  for (uint32_t seed = first; seed < last; ++seed) {
+  for (const uint32_t seed : seeds) {
     const auto c = draw(seed);
     std::string report;
     try {
@@ -538,7 +547,7 @@ TEST(ModuleAgrees, RandomModulesMasksLayoutsAndDtypesAgainstAPlainReference) {
     }
     if (!report.empty()) ++failures, ADD_FAILURE() << report;
   }
-  std::cout << (last - first) << " cases, " << refused << " refused by the backend chosen, " << failures
+  std::cout << seeds.size() << " cases, " << refused << " refused by the backend chosen, " << failures
             << " disagreed\n";
   EXPECT_EQ(failures, 0);
 }

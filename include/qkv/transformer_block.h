@@ -76,6 +76,10 @@ class TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
   /// Callable with one argument by torch::nn::Sequential and AnyModule.
   torch::Tensor forward(const torch::Tensor& x, const AttentionMask& mask = {});
 
+  /// The softmax weights of the block's attention on x (B, N, E): (B, H, N, N), rows summing to 1
+  /// (the math path's; as SelfAttention::forward_with_weights on the block's first LayerNorm of x).
+  torch::Tensor attention_weights(const torch::Tensor& x, const AttentionMask& mask = {});
+
   /// An empty KVCache sized for this block's attention (see SelfAttention::make_cache).
   KVCache make_cache(int64_t batch, int64_t capacity) const;
 

@@ -2,6 +2,7 @@
 
 #include "eval_mode.h"
 #include "linear.h"
+#include "torch_compat.h"
 
 #include <cmath>
 
@@ -53,7 +54,9 @@ void GptImpl::check_ids(const torch::Tensor& ids, const char* caller) const {
 }
 
 torch::Tensor GptImpl::logits(const torch::Tensor& hidden) {
-  const auto normed = final_norm(hidden);                                                            // (B, N, E)
+  // As the blocks' LayerNorms: rounded once in bfloat16 on every LibTorch (torch_compat.h).
+  const auto normed = qkv::compat::layer_norm(hidden, final_norm->options.normalized_shape(), final_norm->weight,
+                                              final_norm->bias, final_norm->options.eps());  // (B, N, E)
   // qkv's linear route (oneDNN's GEMM for float32 where LibTorch has it), as in the blocks.
   const auto& weight = options.tie_weights() ? token_embedding->weight : head->weight;  // (V, E)
   return qkv::detail::linear(normed, weight, torch::Tensor());                          // (B, N, V)
@@ -95,7 +98,7 @@ std::vector<torch::Tensor> GptImpl::attention_weights(const torch::Tensor& ids) 
   auto x = token_embedding(ids);
   for (const auto& module : *blocks) {
     auto block = module->as<qkv::TransformerBlock>();
-    weights.push_back(block->attn->forward_with_weights(block->ln_1(x)).weights);  // (B, H, N, N)
+    weights.push_back(block->attention_weights(x));  // (B, H, N, N)
     x = block->forward(x);
   }
   return weights;
