@@ -3,7 +3,6 @@
 // comparing TORCH_VERSION itself. Private to qkv's build (library, apps, tests); not installed.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
@@ -70,27 +69,6 @@ inline void set_autocast_dtype(at::DeviceType type, at::ScalarType dtype) {
     at::autocast::set_autocast_gpu_dtype(dtype);
   }
 #endif
-}
-
-// LibTorch 1.x's CPU LayerNorm in bfloat16 does not round its result once: on 1.13, rows of 2
-// features came out off by up to 1.2 where the values were within ±1, and a row of 64 equal
-// features gave ±1.8 where LayerNorm gives its bias, 0 (found by ModuleAgrees, seed 15660: a
-// bfloat16 block of width 1). 2.6 and 2.14 compute in float32 and round once (checked against
-// float64: within half a unit in the last place); the versions between are not checked here, so
-// they take the float32 route as 1.x does.
-#define QKV_TORCH_LAYER_NORM_ROUNDS_ONCE QKV_TORCH_AT_LEAST(2, 6)
-
-/// at::layer_norm, in float32 and rounded once for half-precision CPU input where LibTorch's own
-/// does not round once (above); as LibTorch's elsewhere. The gradients come the same way.
-inline at::Tensor layer_norm(const at::Tensor& x, at::IntArrayRef normalized_shape, const at::Tensor& weight,
-                             const at::Tensor& bias, double eps) {
-#if !QKV_TORCH_LAYER_NORM_ROUNDS_ONCE
-  if (x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
-    const auto wide = [](const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; };
-    return at::layer_norm(wide(x), normalized_shape, wide(weight), wide(bias), eps).to(x.scalar_type());
-  }
-#endif
-  return at::layer_norm(x, normalized_shape, weight, bias, eps);
 }
 
 namespace detail {

@@ -6,8 +6,8 @@
 #include <qkv/checkpoint.h>
 
 #include "activation.h"
+#include "layer_norm.h"
 #include "linear.h"
-#include "torch_compat.h"
 
 #include <torch/torch.h>
 
@@ -127,9 +127,9 @@ torch::Tensor TransformerBlockImpl::checkpointed_branches(const torch::Tensor& x
 
 namespace {
 
-// A LayerNorm's forward through compat::layer_norm (rounded once in half precision on every LibTorch).
+// A LayerNorm's forward through detail::layer_norm (rounded once in half precision, layer_norm.h).
 torch::Tensor normalise(const torch::nn::LayerNorm& norm, const torch::Tensor& x) {
-  return compat::layer_norm(x, norm->options.normalized_shape(), norm->weight, norm->bias, norm->options.eps());
+  return detail::layer_norm(x, norm->options.normalized_shape(), norm->weight, norm->bias, norm->options.eps());
 }
 
 }  // namespace

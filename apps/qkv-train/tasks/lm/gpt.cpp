@@ -1,8 +1,8 @@
 #include "tasks/lm/gpt.h"
 
 #include "eval_mode.h"
+#include "layer_norm.h"
 #include "linear.h"
-#include "torch_compat.h"
 
 #include <cmath>
 
@@ -54,8 +54,8 @@ void GptImpl::check_ids(const torch::Tensor& ids, const char* caller) const {
 }
 
 torch::Tensor GptImpl::logits(const torch::Tensor& hidden) {
-  // As the blocks' LayerNorms: rounded once in bfloat16 on every LibTorch (torch_compat.h).
-  const auto normed = qkv::compat::layer_norm(hidden, final_norm->options.normalized_shape(), final_norm->weight,
+  // As the blocks' LayerNorms: rounded once in half precision (layer_norm.h).
+  const auto normed = qkv::detail::layer_norm(hidden, final_norm->options.normalized_shape(), final_norm->weight,
                                               final_norm->bias, final_norm->options.eps());  // (B, N, E)
   // qkv's linear route (oneDNN's GEMM for float32 where LibTorch has it), as in the blocks.
   const auto& weight = options.tie_weights() ? token_embedding->weight : head->weight;  // (V, E)
