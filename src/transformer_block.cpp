@@ -66,6 +66,11 @@ void check_input(const torch::Tensor& x, int64_t d_model, const char* caller) {
               x.defined() ? x.sizes() : c10::IntArrayRef{});
 }
 
+// A LayerNorm's forward through detail::layer_norm (rounded once in half precision, layer_norm.h).
+torch::Tensor normalise(const torch::nn::LayerNorm& norm, const torch::Tensor& x) {
+  return detail::layer_norm(x, norm->options.normalized_shape(), norm->weight, norm->bias, norm->options.eps());
+}
+
 }  // namespace
 
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const AttentionMask& mask) {
@@ -124,15 +129,6 @@ torch::Tensor TransformerBlockImpl::checkpointed_branches(const torch::Tensor& x
   auto mlp = [this](const std::vector<torch::Tensor>& in) { return mlp_branch(in[0]); };
   return h + checkpoint(mlp, {h}, parameters_of({ln_2.get(), mlp_fc.get(), mlp_proj.get()}));  // (B, N, E)
 }
-
-namespace {
-
-// A LayerNorm's forward through detail::layer_norm (rounded once in half precision, layer_norm.h).
-torch::Tensor normalise(const torch::nn::LayerNorm& norm, const torch::Tensor& x) {
-  return detail::layer_norm(x, norm->options.normalized_shape(), norm->weight, norm->bias, norm->options.eps());
-}
-
-}  // namespace
 
 torch::Tensor TransformerBlockImpl::attention_branch(const torch::Tensor& x, const AttentionMask& mask) {
   return residual_dropout(attn(normalise(ln_1, x), /*context=*/torch::Tensor(), mask));  // (B, N, E)
