@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/nn/modules/normalization.h>
 
 namespace qkv::detail {
 
@@ -19,6 +20,11 @@ inline at::Tensor layer_norm(const at::Tensor& x, at::IntArrayRef normalized_sha
     return at::layer_norm(wide(x), normalized_shape, wide(weight), wide(bias), eps).to(x.scalar_type());
   }
   return at::layer_norm(x, normalized_shape, weight, bias, eps);
+}
+
+/// `norm`'s forward on x, through layer_norm above.
+inline at::Tensor layer_norm(const torch::nn::LayerNorm& norm, const at::Tensor& x) {
+  return layer_norm(x, norm->options.normalized_shape(), norm->weight, norm->bias, norm->options.eps());
 }
 
 }  // namespace qkv::detail

@@ -66,11 +66,6 @@ void check_input(const torch::Tensor& x, int64_t d_model, const char* caller) {
               x.defined() ? x.sizes() : c10::IntArrayRef{});
 }
 
-// A LayerNorm's forward through detail::layer_norm (rounded once in half precision, layer_norm.h).
-torch::Tensor normalise(const torch::nn::LayerNorm& norm, const torch::Tensor& x) {
-  return detail::layer_norm(x, norm->options.normalized_shape(), norm->weight, norm->bias, norm->options.eps());
-}
-
 }  // namespace
 
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const AttentionMask& mask) {
@@ -131,11 +126,11 @@ torch::Tensor TransformerBlockImpl::checkpointed_branches(const torch::Tensor& x
 }
 
 torch::Tensor TransformerBlockImpl::attention_branch(const torch::Tensor& x, const AttentionMask& mask) {
-  return residual_dropout(attn(normalise(ln_1, x), /*context=*/torch::Tensor(), mask));  // (B, N, E)
+  return residual_dropout(attn(detail::layer_norm(ln_1, x), /*context=*/torch::Tensor(), mask));  // (B, N, E)
 }
 
 torch::Tensor TransformerBlockImpl::mlp_branch(const torch::Tensor& h) {
-  return residual_dropout(mlp(normalise(ln_2, h)));  // (B, N, E)
+  return residual_dropout(mlp(detail::layer_norm(ln_2, h)));  // (B, N, E)
 }
 
 torch::Tensor TransformerBlockImpl::plain_forward(const torch::Tensor& x, const AttentionMask& mask) {
@@ -145,7 +140,7 @@ torch::Tensor TransformerBlockImpl::plain_forward(const torch::Tensor& x, const 
 
 torch::Tensor TransformerBlockImpl::attention_weights(const torch::Tensor& x, const AttentionMask& mask) {
   check_input(x, options.d_model(), "TransformerBlock::attention_weights");
-  return attn->forward_with_weights(normalise(ln_1, x), /*context=*/torch::Tensor(), mask).weights;
+  return attn->forward_with_weights(detail::layer_norm(ln_1, x), /*context=*/torch::Tensor(), mask).weights;
 }
 
 KVCache TransformerBlockImpl::make_cache(int64_t batch, int64_t capacity) const {
@@ -159,7 +154,7 @@ torch::Tensor TransformerBlockImpl::forward_with_cache(const torch::Tensor& x, K
   TORCH_CHECK(!(is_training() && options.dropout() > 0.0),
               "TransformerBlock::forward_with_cache: the block is in training mode with dropout ", options.dropout(),
               "; cached decoding is inference, so call eval() first");
-  auto h = x + residual_dropout(attn->forward_with_cache(normalise(ln_1, x), cache));  // (B, T, E)
+  auto h = x + residual_dropout(attn->forward_with_cache(detail::layer_norm(ln_1, x), cache));  // (B, T, E)
   return h + mlp_branch(h);                                                 // (B, T, E)
 }
 

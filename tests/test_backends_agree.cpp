@@ -16,7 +16,6 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
-#include <string>
 
 namespace {
 
@@ -43,13 +42,7 @@ int failed_draws(uint32_t first, uint32_t last, const std::function<AttentionCas
 // 500 cases from fixed seeds. QKV_AGREE_SEED=N reruns draw seed N alone (e.g. under a debugger),
 // QKV_AGREE_SEED=first:last the seeds first .. last - 1 (to explore others).
 TEST(BackendsAgree, RandomCasesOverLayoutsMasksDtypesAndBackends) {
-  uint32_t first = 0, last = 500;
-  if (const char* chosen = std::getenv("QKV_AGREE_SEED")) {
-    const std::string seeds(chosen);
-    const auto colon = seeds.find(':');
-    first = static_cast<uint32_t>(std::stoul(seeds.substr(0, colon)));
-    last = colon == std::string::npos ? first + 1 : static_cast<uint32_t>(std::stoul(seeds.substr(colon + 1)));
-  }
+  const auto [first, last] = qkv_test::seed_range("QKV_AGREE_SEED", {0, 500});
   EXPECT_EQ(failed_draws(first, last, [](qkv_test::Chooser& chooser, uint32_t) { return qkv_test::draw_case(chooser); }), 0);
 }
 

@@ -422,15 +422,11 @@ TEST(TransformerBlock, ItsLayerNormIsRoundedOnceInHalfPrecision) {
       const auto expected = centred / torch::sqrt(centred.pow(2).mean(-1, true) + 1e-5) * weight64 + bias64;
       expected.backward(upstream.to(torch::kDouble));
       const double unit_roundoff = dtype == torch::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
-      const auto within_a_rounding = [&](const torch::Tensor& actual, const torch::Tensor& reference) {
-        const auto error = (actual.to(torch::kDouble) - reference).abs();
-        return (error <= unit_roundoff * reference.abs() + 1e-4 * reference.abs().max()).all().item<bool>();
-      };
       const std::string what = c10::toString(dtype) + std::string(" rows of ") + std::to_string(E);
-      EXPECT_TRUE(within_a_rounding(y, expected)) << what << ": output";
-      EXPECT_TRUE(within_a_rounding(x.grad(), x64.grad())) << what << ": grad x";
-      EXPECT_TRUE(within_a_rounding(weight.grad(), weight64.grad())) << what << ": grad weight";
-      EXPECT_TRUE(within_a_rounding(bias.grad(), bias64.grad())) << what << ": grad bias";
+      EXPECT_TRUE(qkv_test::within_one_rounding(y, expected, unit_roundoff)) << what << ": output";
+      EXPECT_TRUE(qkv_test::within_one_rounding(x.grad(), x64.grad(), unit_roundoff)) << what << ": grad x";
+      EXPECT_TRUE(qkv_test::within_one_rounding(weight.grad(), weight64.grad(), unit_roundoff)) << what << ": grad weight";
+      EXPECT_TRUE(qkv_test::within_one_rounding(bias.grad(), bias64.grad(), unit_roundoff)) << what << ": grad bias";
     }
   }
 }

@@ -510,21 +510,12 @@ std::string check(const ModuleCase& c) {
   return report.str().empty() ? "" : c.describe() + ":" + report.str();
 }
 
-// Seeds first .. last - 1: `fallback`, or the environment variable's "first:last" (to explore).
-std::pair<uint32_t, uint32_t> seed_range(const char* variable, std::pair<uint32_t, uint32_t> fallback) {
-  const char* range = std::getenv(variable);
-  if (range == nullptr) return fallback;
-  const std::string r(range);
-  return {static_cast<uint32_t>(std::stoul(r.substr(0, r.find(':')))),
-          static_cast<uint32_t>(std::stoul(r.substr(r.find(':') + 1)))};
-}
-
 // 200 cases, and the seeds beyond them that once found a fault: 9249 (the math path's products
 // under autocast, in bfloat16). Seeds 0 to 70000 passed on LibTorch 1.13 and 0 to 30000 on 2.6 and
 // 2.14 (2026-12-05, after the fixes that 9249 and 15660 found: src/kernels/math.cpp,
 // src/layer_norm.h). QKV_MODULE_SEEDS=first:last explores others instead.
 TEST(ModuleAgrees, RandomModulesMasksLayoutsAndDtypesAgainstAPlainReference) {
-  const auto [first, last] = seed_range("QKV_MODULE_SEEDS", {0, 200});
+  const auto [first, last] = qkv_test::seed_range("QKV_MODULE_SEEDS", {0, 200});
   std::vector<uint32_t> seeds;
   for (uint32_t seed = first; seed < last; ++seed) seeds.push_back(seed);
   if (std::getenv("QKV_MODULE_SEEDS") == nullptr) seeds.push_back(9249);
@@ -639,7 +630,7 @@ std::string check_decoding(uint32_t seed) {
 // 60 cases (1200 passed on each of LibTorch 1.13, 2.6 and 2.14 on 2026-12-05); QKV_DECODE_SEEDS=first:last
 // explores others.
 TEST(ModuleAgrees, DecodingInRandomPiecesAgainstAPlainReference) {
-  const auto [first, last] = seed_range("QKV_DECODE_SEEDS", {0, 60});
+  const auto [first, last] = qkv_test::seed_range("QKV_DECODE_SEEDS", {0, 60});
   int failures = 0;
   for (uint32_t seed = first; seed < last; ++seed) {
     std::string report;

@@ -104,11 +104,7 @@ TEST(AutocastGuard, TheMathPathMultipliesInFloat32InsideAnAutocastScope) {
                                                                             {"dk", k.grad(), k64.grad()},
                                                                             {"dv", v.grad(), v64.grad()},
                                                                             {"dbias", bias.grad(), bias64.grad()}}) {
-      const auto error = (actual.to(torch::kDouble) - reference).abs();
-      const auto allowed = one_rounding * reference.abs() + 1e-4 * reference.abs().max();
-      EXPECT_TRUE((error <= allowed).all().item<bool>())
-          << what << ": " << name << " off by up to " << error.max().item<double>() << " (largest value "
-          << reference.abs().max().item<double>() << ")";
+      EXPECT_TRUE(qkv_test::within_one_rounding(actual, reference, one_rounding)) << what << ": " << name;
     }
   }
 }

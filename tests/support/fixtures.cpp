@@ -7,6 +7,7 @@
 #include <caffe2/serialize/inline_container.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <limits>
@@ -130,6 +131,29 @@ void expect_gradients_match(const Fixture& fixture, const torch::nn::Module& mod
                                          << " (max |expected| " << max_abs(expected) << ", scale " << scale << ")";
   }
   return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult within_one_rounding(const torch::Tensor& actual, const torch::Tensor& reference,
+                                               double unit_roundoff) {
+  if (!actual.defined() || !reference.defined() || actual.sizes() != reference.sizes()) {
+    return ::testing::AssertionFailure() << "undefined, or of another shape than the reference";
+  }
+  const auto wide = reference.detach().to(torch::kDouble);
+  const auto error = (actual.detach().to(torch::kDouble) - wide).abs();
+  const auto allowed = unit_roundoff * wide.abs() + 1e-4 * wide.abs().max();
+  if ((error <= allowed).all().item<bool>()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "off by up to " << error.max().item<double>() << ", "
+                                       << (error / allowed).max().item<double>()
+                                       << " times one rounding (largest value " << max_abs(wide) << ")";
+}
+
+std::pair<uint32_t, uint32_t> seed_range(const char* variable, std::pair<uint32_t, uint32_t> fallback) {
+  const char* chosen = std::getenv(variable);
+  if (chosen == nullptr) return fallback;
+  const std::string seeds(chosen);
+  const auto colon = seeds.find(':');
+  const auto first = static_cast<uint32_t>(std::stoul(seeds.substr(0, colon)));
+  return {first, colon == std::string::npos ? first + 1 : static_cast<uint32_t>(std::stoul(seeds.substr(colon + 1)))};
 }
 
 std::string rewrite_archive(const std::string& bytes,

@@ -9,9 +9,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 
 namespace qkv_test {
 
@@ -56,6 +58,17 @@ class Fixture {
 /// gtest assertion: same shape and relative_error(actual, expected, scale) <= tolerance.
 ::testing::AssertionResult tensors_close(const torch::Tensor& actual, const torch::Tensor& expected, double tolerance,
                                          double scale = 0.0);
+
+/// gtest assertion: every element of `actual` (rounded once to a format of unit roundoff
+/// `unit_roundoff`, 2^-8 for bfloat16) within one rounding of `reference` (float64):
+/// |actual - reference| <= unit_roundoff · |reference| + 1e-4 · max |reference| (the second term
+/// for what the float32 arithmetic before the rounding may add). Names the worst element's ratio.
+::testing::AssertionResult within_one_rounding(const torch::Tensor& actual, const torch::Tensor& reference,
+                                               double unit_roundoff);
+
+/// The seeds first .. last - 1 a randomised test runs: `fallback`, or the environment variable's
+/// "first:last" (to explore others) or "N" (seed N alone, e.g. under a debugger).
+std::pair<uint32_t, uint32_t> seed_range(const char* variable, std::pair<uint32_t, uint32_t> fallback);
 
 /// LibTorch's intra-op threads set to `count` for a scope and set back after it, a failed
 /// assertion's early return included.

@@ -55,8 +55,7 @@ void GptImpl::check_ids(const torch::Tensor& ids, const char* caller) const {
 
 torch::Tensor GptImpl::logits(const torch::Tensor& hidden) {
   // As the blocks' LayerNorms: rounded once in half precision (layer_norm.h).
-  const auto normed = qkv::detail::layer_norm(hidden, final_norm->options.normalized_shape(), final_norm->weight,
-                                              final_norm->bias, final_norm->options.eps());  // (B, N, E)
+  const auto normed = qkv::detail::layer_norm(final_norm, hidden);  // (B, N, E)
   // qkv's linear route (oneDNN's GEMM for float32 where LibTorch has it), as in the blocks.
   const auto& weight = options.tie_weights() ? token_embedding->weight : head->weight;  // (V, E)
   return qkv::detail::linear(normed, weight, torch::Tensor());                          // (B, N, V)
