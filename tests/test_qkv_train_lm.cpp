@@ -4,6 +4,7 @@
 #include "support/apps.h"
 #include "support/fixtures.h"
 
+#include "tasks/lm/gpt.h"
 #include "tasks/lm/text_data.h"
 
 #include <gmock/gmock.h>
@@ -195,6 +196,31 @@ TEST(LanguageModel, Bf16MixedPrecisionTrainsNearTheFloat32Run) {
   const auto expected = nlohmann::json::parse(fp32.output), actual = nlohmann::json::parse(mixed.output);
   EXPECT_NEAR(actual["eval"]["val_loss"].get<double>(), expected["eval"]["val_loss"].get<double>(), 0.05);
   EXPECT_EQ(actual["precision"], "bf16-mixed");
+}
+
+// A half-precision model's token embedding (--dtype bfloat16) gathers its rows exactly and sums
+// each token's gradient rows as float64 does, within one rounding: a default step's 4096 ids over
+// a character vocabulary put hundreds of rows on the common tokens, which LibTorch's own CPU
+// backward adds one rounding at a time.
+TEST(LanguageModel, ItsEmbeddingGradientIsRoundedOnceInHalfPrecision) {
+  torch::manual_seed(0);
+  const int64_t V = 65, E = 32;
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    const double unit_roundoff = dtype == torch::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+    const auto what = c10::toString(dtype);
+    // Skewed ids, as a text's characters are: the first tokens take most of the 4096.
+    const auto ids = (torch::rand({16, 256}).pow(3) * V).to(torch::kLong);  // (B, N)
+    const auto table = torch::randn({V, E}).to(dtype).requires_grad_();
+    const auto upstream = torch::randn({16, 256, E}).to(dtype);
+
+    const auto rows = qkv_train::lm::embed(table, ids);  // (B, N, E)
+    rows.backward(upstream);
+    ASSERT_EQ(rows.scalar_type(), dtype) << what;
+    EXPECT_TRUE(torch::equal(rows, table.detach().index_select(0, ids.flatten()).view({16, 256, E}))) << what;
+    const auto expected = torch::zeros({V, E}, torch::kDouble)
+                              .index_add_(0, ids.flatten(), upstream.to(torch::kDouble).view({-1, E}));
+    EXPECT_TRUE(within_one_rounding(table.grad(), expected, unit_roundoff)) << what;
+  }
 }
 
 // --checkpoint-activations trains exactly as without (float64, dropout on: the recomputation

@@ -8,6 +8,17 @@
 
 namespace qkv_train::lm {
 
+torch::Tensor embed(const torch::Tensor& table, const torch::Tensor& ids) {
+  const bool half = table.scalar_type() == torch::kBFloat16 || table.scalar_type() == torch::kHalf;
+  if (half && table.device().is_cpu() && table.requires_grad() && torch::GradMode::is_enabled()) {
+    // Gathering float32 copies of half-precision numbers and rounding back is exact; autograd then
+    // sums the rows' gradients in float32 and rounds the table's gradient once, on the way back
+    // through the widening. Costs a float32 copy of the table per call (small: a character vocabulary).
+    return torch::embedding(table.to(torch::kFloat), ids).to(table.scalar_type());
+  }
+  return torch::embedding(table, ids);
+}
+
 GptImpl::GptImpl(const GptOptions& options_) : options(options_) { reset(); }
 
 void GptImpl::reset() {
@@ -65,7 +76,7 @@ torch::Tensor GptImpl::forward(const torch::Tensor& ids) {
   check_ids(ids, "Gpt::forward");
   TORCH_CHECK(options.window() || ids.size(1) <= options.context(), "Gpt::forward: ", ids.size(1),
               " positions exceed the context of ", options.context(), " (only a model with a sliding window runs longer)");
-  auto x = embedding_dropout(token_embedding(ids));  // (B, N, E)
+  auto x = embedding_dropout(embed(token_embedding->weight, ids));  // (B, N, E)
   for (const auto& block : *blocks) x = block->as<qkv::TransformerBlock>()->forward(x);
   return logits(x);
 }
@@ -74,7 +85,7 @@ torch::Tensor GptImpl::forward_with_cache(const torch::Tensor& ids, std::vector<
   check_ids(ids, "Gpt::forward_with_cache");
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == options.layers(), "Gpt::forward_with_cache: expected ",
               options.layers(), " caches (one per block), got ", caches.size());
-  auto x = token_embedding(ids);  // (B, T, E)
+  auto x = embed(token_embedding->weight, ids);  // (B, T, E)
   for (size_t layer = 0; layer < caches.size(); ++layer) {
     x = blocks[layer]->as<qkv::TransformerBlock>()->forward_with_cache(x, caches[layer]);
   }
@@ -94,7 +105,7 @@ std::vector<torch::Tensor> GptImpl::attention_weights(const torch::Tensor& ids) 
   torch::NoGradGuard no_grad;
   const EvalModeGuard eval_mode(*this);
   std::vector<torch::Tensor> weights;
-  auto x = token_embedding(ids);
+  auto x = embed(token_embedding->weight, ids);
   for (const auto& module : *blocks) {
     auto block = module->as<qkv::TransformerBlock>();
     weights.push_back(block->attention_weights(x));  // (B, H, N, N)

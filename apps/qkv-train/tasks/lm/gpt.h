@@ -64,4 +64,11 @@ class GptImpl : public torch::nn::Cloneable<GptImpl> {
 
 TORCH_MODULE(Gpt);
 
+/// The rows of `table` (V, E) at `ids` (any shape) -> (ids..., E), as torch::embedding. For a
+/// bfloat16 or float16 table on the CPU that autograd tracks, the table's gradient is summed in
+/// float32 and rounded once: LibTorch's own CPU backward adds each token's gradient rows in the
+/// table's dtype, one rounding per occurrence (2026-12-05, LibTorch 1.13 and 2.14 alike: with
+/// 8192 ids over 65 tokens, bfloat16 sums off by up to 0.92 where they reach 45).
+torch::Tensor embed(const torch::Tensor& table, const torch::Tensor& ids);
+
 }  // namespace qkv_train::lm
