@@ -223,6 +223,33 @@ TEST(LanguageModel, ItsEmbeddingGradientIsRoundedOnceInHalfPrecision) {
   }
 }
 
+// A bfloat16 model (--dtype bfloat16) trains every weight: AdamW steps on float32 master copies,
+// where on the bfloat16 weights themselves its steps (at most the learning rate) were under half
+// the spacing of LayerNorm's gains near 1 (2^-7) and never moved them. The masters go into the
+// checkpoint, so a resumed run ends on the same bfloat16 weights as an uninterrupted one.
+TEST(LanguageModel, ABFloat16ModelTrainsEveryWeightAndResumesExactly) {
+  const auto whole = fresh_dir("lm_bf16_whole"), split = fresh_dir("lm_bf16_split");
+  // The first 10 of 100 warmup steps (as resuming needs: the rate does not depend on --steps
+  // there), rising to 2e-3 at the tenth.
+  const std::string args = kSmallLm + "--dtype bfloat16 --dropout 0 --lr 0.02 --log-every 1 --eval-every 5 ";
+  auto run = train(args + "--steps 10 --json --out " + whole.string());
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(nlohmann::json::parse(run.output)["master_weights"], "float32");
+  const auto trained = qkv::read_tensor_dict((whole / "model.pt").string());
+  const auto initial = qkv::read_tensor_dict((whole / "model_init.pt").string());
+  ASSERT_EQ(trained.size(), initial.size());
+  for (const auto& [name, weight] : trained) {
+    EXPECT_EQ(weight.scalar_type(), torch::kBFloat16) << name;
+    EXPECT_FALSE(torch::equal(weight, initial.at(name))) << name << " never moved";
+  }
+  ASSERT_EQ(train(args + "--steps 5 --out " + split.string()).exit_code, 0);
+  auto resumed = train("--resume " + split.string() + " --steps 10 --quiet", /*merge_stderr=*/true);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(losses_by_step(split / "metrics.csv"), losses_by_step(whole / "metrics.csv"));
+  EXPECT_EQ(max_weight_difference(split / "model.pt", whole / "model.pt"), 0.0);
+  fs::remove_all(whole), fs::remove_all(split);
+}
+
 // --checkpoint-activations trains exactly as without (float64, dropout on: the recomputation
 // replays the dropout masks), step for step.
 TEST(LanguageModel, CheckpointedActivationsTrainExactlyAsThePlainModel) {

@@ -14,7 +14,7 @@ namespace qkv_train {
 namespace fs = std::filesystem;
 
 void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     const qkv::GradScaler& scaler, const CheckpointState& state) {
+                     const qkv::GradScaler& scaler, const CheckpointState& state, const MasterWeights* masters) {
   const auto path = (fs::path(dir) / kCheckpointFile).string();
   try {
     torch::serialize::OutputArchive archive;
@@ -27,6 +27,11 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
       torch::serialize::OutputArchive scaler_archive;
       scaler.save(scaler_archive);
       archive.write("grad_scaler", scaler_archive);
+    }
+    if (masters != nullptr && masters->active()) {
+      torch::serialize::OutputArchive masters_archive;
+      masters->save(masters_archive);
+      archive.write("master_weights", masters_archive);
     }
     archive.write("step", torch::tensor(state.step, torch::kLong));
     archive.write("initial_loss", torch::tensor(state.initial_loss, torch::kDouble));
@@ -209,7 +214,7 @@ CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module&
 }
 
 CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                qkv::GradScaler& scaler) {
+                                qkv::GradScaler& scaler, MasterWeights* masters) {
   auto archive = open_archive(dir);
   try {
     torch::serialize::InputArchive model_archive, optimizer_archive;
@@ -219,6 +224,13 @@ CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model
     model.load(model_archive);
     check_model_kept(slots, model);
     optimizer.load(optimizer_archive);
+    if (masters != nullptr && masters->active()) {
+      torch::serialize::InputArchive masters_archive;
+      if (!archive.try_read("master_weights", masters_archive) || !masters->load(masters_archive)) {
+        masters->copy_from_model();  // a checkpoint written before master weights: its bfloat16 values
+      }
+      masters->widen_optimizer_state();
+    }
     check_optimizer_state(optimizer);
     torch::serialize::InputArchive scaler_archive;
     if (scaler.is_enabled() && archive.try_read("grad_scaler", scaler_archive)) scaler.load(scaler_archive);

@@ -4,6 +4,8 @@
 // (src/torch_file.h: its TorchScript code is never compiled), whichever LibTorch wrote it.
 #pragma once
 
+#include "master_weights.h"
+
 #include <qkv/precision.h>
 
 #include <torch/torch.h>
@@ -25,10 +27,12 @@ struct CheckpointState {
   nlohmann::json task_state = nlohmann::json::object();
 };
 
-/// Writes DIR/checkpoint.pt atomically, with the loss scaler's state (mixed precision). Throws
+/// Writes DIR/checkpoint.pt atomically, with the loss scaler's state (mixed precision) and the
+/// float32 master weights of a half-precision model (when `masters` is active). Throws
 /// std::runtime_error naming the path on failure.
 void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     const qkv::GradScaler& scaler, const CheckpointState& state);
+                     const qkv::GradScaler& scaler, const CheckpointState& state,
+                     const MasterWeights* masters = nullptr);
 
 /// Reads only the options and step of DIR/checkpoint.pt (to check a resume before building the model).
 CheckpointState read_checkpoint_state(const std::string& dir);
@@ -37,10 +41,12 @@ CheckpointState read_checkpoint_state(const std::string& dir);
 CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module& model);
 
 /// Loads DIR/checkpoint.pt into `model`, `optimizer` and `scaler` (when the checkpoint has a
-/// scaler's state and `scaler` is enabled) and restores the CPU RNG state. A checkpoint that is
-/// damaged, or whose tensors do not fit the model's parameters or the optimizer's state (shape,
-/// dtype, device), is refused with a std::runtime_error naming the file.
+/// scaler's state and `scaler` is enabled) and `masters` (when active: from the checkpoint, or for
+/// one written before master weights, from its model, the optimizer state widened), and restores
+/// the CPU RNG state. A checkpoint that is damaged, or whose tensors do not fit the model's
+/// parameters or the optimizer's state (shape, dtype, device), is refused with a std::runtime_error
+/// naming the file.
 CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                qkv::GradScaler& scaler);
+                                qkv::GradScaler& scaler, MasterWeights* masters = nullptr);
 
 }  // namespace qkv_train

@@ -3,6 +3,7 @@
 #include "trainer.h"
 
 #include "checkpoint.h"
+#include "master_weights.h"
 #include "progress.h"
 #include "resources.h"
 #include "run_precision.h"
@@ -77,6 +78,14 @@ double global_grad_norm(const std::vector<torch::Tensor>& parameters) {
   return std::sqrt(sum);
 }
 
+std::vector<torch::Tensor> parameters_of(const torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> parameters;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) parameters.push_back(p);
+  }
+  return parameters;
+}
+
 class Trainer {
  public:
   Trainer(const RunConfig& config, const torch::Device& device, DataParallel* parallel)
@@ -88,6 +97,8 @@ class Trainer {
         out_(is_main_ ? fs::path(config.out_dir) : fs::path()),  // ranks other than 0 write nothing
         task_(find_task(config.task).make(config, device)),
         optimizer_(task_->make_optimizer(config.lr)),
+        masters_(task_->model(), *optimizer_),  // --dtype bfloat16: the optimizer steps on float32 copies
+        stepped_parameters_(parameters_of(*optimizer_)),
         parameters_(task_->model().parameters()),
         shard_(parallel != nullptr ? shard_of(config.batch, parallel->rank(), parallel->world_size())
                                    : Shard{0, config.batch}) {}
@@ -136,7 +147,8 @@ class Trainer {
       spdlog::info("initial weights from {}", config_.init_weights);
     }
     if (!config_.resume_dir.empty()) {
-      const auto state = load_checkpoint(config_.resume_dir, task_->model(), *optimizer_, precision_.scaler());
+      const auto state =
+          load_checkpoint(config_.resume_dir, task_->model(), *optimizer_, precision_.scaler(), &masters_);
       step_ = state.step;
       initial_loss_ = state.initial_loss;
       last_loss_ = state.last_loss;
@@ -144,6 +156,7 @@ class Trainer {
       spdlog::info("resumed from {} at step {}", (fs::path(config_.resume_dir) / kCheckpointFile).string(), step_);
     }
     if (parallel_ != nullptr) parallel_->broadcast_from_main(parameters_);
+    if (config_.resume_dir.empty()) masters_.copy_from_model();  // a resumed run's come from its checkpoint
     // Where a fresh run starts, so that a reference implementation can start from the same point
     // (scripts/lm_pytorch.py does).
     if (step_ == 0 && !out_.empty()) task_->save_weights((out_ / "model_init.pt").string());
@@ -209,6 +222,7 @@ class Trainer {
     for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
     // Forward pass (in the run's precision: autocast for bf16-mixed / fp16-mixed)
     optimizer_->zero_grad();
+    masters_.zero_grad();
     torch::Tensor loss;
     {
       const auto precision = precision_.autocast();
@@ -232,6 +246,7 @@ class Trainer {
                                          task_->divergence_hint(), config_.lr));
     }
     if (!initial_loss_) initial_loss_ = last_loss_;
+    masters_.gradients_to_masters();  // from here on the optimizer's gradients
     // True gradients from here on (fp16-mixed: divided by the loss scale, inf/NaN recorded).
     precision_.scaler().unscale_(*optimizer_);
     const bool log_now = step_ % config_.log_every == 0 || step_ == config_.steps;
@@ -243,8 +258,8 @@ class Trainer {
     // Clipping computes the global norm anyway: a logged step takes it from there rather than
     // walking every gradient once more (a step of the lm logged every step was 1-3% slower).
     const bool clipping = task_->max_grad_norm() > 0;
-    const double norm = clipping ? torch::nn::utils::clip_grad_norm_(parameters_, task_->max_grad_norm())
-                        : !gradients.empty() ? global_grad_norm(parameters_)
+    const double norm = clipping ? torch::nn::utils::clip_grad_norm_(stepped_parameters_, task_->max_grad_norm())
+                        : !gradients.empty() ? global_grad_norm(stepped_parameters_)
                                              : 0.0;
     if (!gradients.empty()) gradients[0] = norm;
     // Apply gradients (fp16-mixed: skipped when a gradient overflowed, and the scale backs off)
@@ -253,6 +268,7 @@ class Trainer {
                     precision_.scaler().get_scale());
     }
     precision_.scaler().update();
+    masters_.masters_to_model();
     progress.update(step_, last_loss_);
     if (log_now && is_main_) {
       tokens_per_s_ = progress.tokens_per_second(), elapsed_s_ = progress.elapsed_seconds(), lr_ = lr;
@@ -304,7 +320,8 @@ class Trainer {
     if (out_.empty()) return;
     qkv_train::save_checkpoint(out_.string(), task_->model(), *optimizer_, precision_.scaler(),
                                {step_, initial_loss_.value_or(0.0), last_loss_, to_json(config_),
-                                task_->checkpoint_state()});
+                                task_->checkpoint_state()},
+                               &masters_);
   }
 
   // The end of a run: rank 0 evaluates, writes the summary, the weights for Python and the
@@ -331,6 +348,8 @@ class Trainer {
         {"device", device_.str()},
         {"dtype", config_.dtype_name},
         {"precision", config_.precision},
+        // float32 where the model is half precision (--dtype bfloat16) and the optimizer steps on copies
+        {"master_weights", masters_.active() ? "float32" : "none"},
         {"loss_scale", precision_.scaler().get_scale()},
         {"torch_version", TORCH_VERSION},
         {"qkv_version", QKV_VERSION_STRING},
@@ -376,7 +395,9 @@ class Trainer {
   const fs::path out_;
   std::unique_ptr<TrainableTask> task_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
-  std::vector<torch::Tensor> parameters_;
+  MasterWeights masters_;
+  std::vector<torch::Tensor> stepped_parameters_;  // the optimizer's: the model's, or masters_' copies
+  std::vector<torch::Tensor> parameters_;          // the model's
   const Shard shard_;
 
   int64_t step_ = 0, first_step_ = 0;

@@ -2,6 +2,7 @@
 #include "tasks/tasks.h"
 #include "tasks/toy_data.h"
 
+#include "master_weights.h"
 #include "run_precision.h"
 
 #include "atomic_file.h"
@@ -89,12 +90,14 @@ std::vector<double> train_reverse(const RunConfig& config, const torch::Device& 
                                .scale(scaled ? c10::nullopt : c10::optional<double>(1.0)));
   model->to(device, config.dtype());
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(config.lr));
+  MasterWeights masters(*model, optimizer);  // --dtype bfloat16: the optimizer steps on float32 copies
   // --precision: autocast around the forward pass (the loss in float32), fp16-mixed's loss scale.
   RunPrecision precision(config, device);
   std::vector<double> losses;
   for (int64_t step = 1; step <= config.steps; ++step) {
     const auto batch = data->sample(config.batch, step);
     optimizer.zero_grad();
+    masters.zero_grad();
     torch::Tensor output;
     {
       const auto autocast = precision.autocast();
@@ -102,8 +105,10 @@ std::vector<double> train_reverse(const RunConfig& config, const torch::Device& 
     }
     auto loss = data->loss(output.to(config.dtype()), batch);
     precision.scaler().scale(loss).backward();
+    masters.gradients_to_masters();
     precision.scaler().step(optimizer);
     precision.scaler().update();
+    masters.masters_to_model();
     losses.push_back(loss.item<double>());
   }
   return losses;
