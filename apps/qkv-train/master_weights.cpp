@@ -72,6 +72,15 @@ void MasterWeights::masters_to_model() {
   for (auto& pair : pairs_) pair.parameter.copy_(pair.master);
 }
 
+std::vector<torch::Tensor> MasterWeights::stepped(std::vector<torch::Tensor> parameters) const {
+  for (auto& parameter : parameters) {
+    for (const auto& pair : pairs_) {
+      if (pair.parameter.is_same(parameter)) parameter = pair.master;
+    }
+  }
+  return parameters;
+}
+
 // Keyed by position among the masters (the model's parameter order), as a parameter's name with its
 // dots is not an archive's attribute name.
 void MasterWeights::save(torch::serialize::OutputArchive& archive) const {

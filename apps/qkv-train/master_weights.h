@@ -36,6 +36,9 @@ class MasterWeights {
   void gradients_to_masters();
   /// The model's parameters take the masters' values, rounded once.
   void masters_to_model();
+  /// `parameters` (the model's), each one taken over replaced by its master: what the optimizer
+  /// steps, in the model's order (for clipping the gradients it applies).
+  std::vector<torch::Tensor> stepped(std::vector<torch::Tensor> parameters) const;
 
   /// Writes the masters, in the order of the model's parameters.
   void save(torch::serialize::OutputArchive& archive) const;

@@ -78,14 +78,6 @@ double global_grad_norm(const std::vector<torch::Tensor>& parameters) {
   return std::sqrt(sum);
 }
 
-std::vector<torch::Tensor> parameters_of(const torch::optim::Optimizer& optimizer) {
-  std::vector<torch::Tensor> parameters;
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& p : group.params()) parameters.push_back(p);
-  }
-  return parameters;
-}
-
 class Trainer {
  public:
   Trainer(const RunConfig& config, const torch::Device& device, DataParallel* parallel)
@@ -98,7 +90,7 @@ class Trainer {
         task_(find_task(config.task).make(config, device)),
         optimizer_(task_->make_optimizer(config.lr)),
         masters_(task_->model(), *optimizer_),  // --dtype bfloat16: the optimizer steps on float32 copies
-        stepped_parameters_(parameters_of(*optimizer_)),
+        stepped_parameters_(masters_.stepped(task_->model().parameters())),
         parameters_(task_->model().parameters()),
         shard_(parallel != nullptr ? shard_of(config.batch, parallel->rank(), parallel->world_size())
                                    : Shard{0, config.batch}) {}
@@ -396,7 +388,7 @@ class Trainer {
   std::unique_ptr<TrainableTask> task_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   MasterWeights masters_;
-  std::vector<torch::Tensor> stepped_parameters_;  // the optimizer's: the model's, or masters_' copies
+  std::vector<torch::Tensor> stepped_parameters_;  // the model's, each taken over by masters_ as its copy
   std::vector<torch::Tensor> parameters_;          // the model's
   const Shard shard_;
 
