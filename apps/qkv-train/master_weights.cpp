@@ -81,8 +81,8 @@ std::vector<torch::Tensor> MasterWeights::stepped(std::vector<torch::Tensor> par
   return parameters;
 }
 
-// Keyed by position among the masters (the model's parameter order), as a parameter's name with its
-// dots is not an archive's attribute name.
+// Keyed by position among the masters (the optimizer's order, the same in a resumed run): a
+// parameter's name, with its dots, is not an archive's attribute name.
 void MasterWeights::save(torch::serialize::OutputArchive& archive) const {
   for (size_t i = 0; i < pairs_.size(); ++i) archive.write(std::to_string(i), pairs_[i].master);
 }

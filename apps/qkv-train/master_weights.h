@@ -40,7 +40,7 @@ class MasterWeights {
   /// steps, in the model's order (for clipping the gradients it applies).
   std::vector<torch::Tensor> stepped(std::vector<torch::Tensor> parameters) const;
 
-  /// Writes the masters, in the order of the model's parameters.
+  /// Writes the masters, in the order the optimizer holds them.
   void save(torch::serialize::OutputArchive& archive) const;
   /// Reads the masters `save` wrote; false (the archive holds none: a checkpoint written before
   /// master weights) leaves the masters to the caller. Throws std::runtime_error naming a master the
