@@ -93,7 +93,8 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   app.add_option("--task", config.task, "Task")->check(CLI::IsMember(task_names));
   app.add_option("--device", config.device_name, "Device; auto picks CUDA when present")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--dtype", config.dtype_name, "Parameter and input dtype")
+  app.add_option("--dtype", config.dtype_name,
+                 "Parameter and input dtype (bfloat16: the optimizer steps on float32 master weights)")
       ->check(CLI::IsMember({"float32", "float64", "bfloat16"}));
   app.add_option("--precision", config.precision,
                  "fp32, or mixed precision: float32 weights and optimizer state, products and attention in bfloat16 "
