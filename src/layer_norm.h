@@ -1,6 +1,8 @@
 // LayerNorm for qkv's blocks and qkv-train's language model. Private to qkv.
 #pragma once
 
+#include "half_precision.h"
+
 #include <ATen/ATen.h>
 #include <torch/nn/modules/normalization.h>
 
@@ -15,7 +17,7 @@ namespace qkv::detail {
 /// bfloat16 and 3.6 to 32 in float16. Elsewhere (CUDA, float32, float64) it is LibTorch's.
 inline at::Tensor layer_norm(const at::Tensor& x, at::IntArrayRef normalized_shape, const at::Tensor& weight,
                              const at::Tensor& bias, double eps) {
-  if (x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
+  if (x.device().is_cpu() && half_precision(x.scalar_type())) {
     const auto wide = [](const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; };
     return at::layer_norm(wide(x), normalized_shape, wide(weight), wide(bias), eps).to(x.scalar_type());
   }

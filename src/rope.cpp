@@ -1,6 +1,7 @@
 // Rotary position embedding: each pair (x[i], x[i + D/2]) of a head's query or key is rotated by
 // an angle proportional to its position, so that q·k depends on the positions' difference only.
 #include "rope.h"
+#include "half_precision.h"
 
 #include "kernels/bfloat16_bits.h"
 #include "kernels/tiled/operands.h"
@@ -19,12 +20,6 @@
 #endif
 
 namespace qkv::detail {
-
-namespace {
-
-bool half_precision(torch::ScalarType dtype) { return dtype == torch::kHalf || dtype == torch::kBFloat16; }
-
-}  // namespace
 
 RopeTable rope_table(int64_t offset, int64_t positions, int64_t head_dim, double base, torch::ScalarType dtype,
                      const torch::Device& device) {

@@ -580,6 +580,20 @@ TEST(TrainTasks, ACheckpointsCodeIsNeverCompiledSoItCannotCrashTheResume) {
   for (const auto& dir : {whole, split, found}) fs::remove_all(dir);
 }
 
+// One optimizer step on the sum of every parameter's squares (gradient 2p, in float32), through
+// `masters` (qkv-train --dtype bfloat16's float32 copies) where given.
+void step_on_squares(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                     qkv_train::MasterWeights* masters = nullptr) {
+  optimizer.zero_grad();
+  if (masters) masters->zero_grad();
+  torch::Tensor loss = torch::zeros({});
+  for (const auto& p : model.parameters()) loss = loss + p.to(torch::kFloat).square().sum();
+  loss.backward();
+  if (masters) masters->gradients_to_masters();
+  optimizer.step();
+  if (masters) masters->masters_to_model();
+}
+
 // Module::load and Optimizer::load take whatever a checkpoint holds: Tensor::set_ gave a parameter
 // the file's shape, a state saved for another parameter was handed on by position, and a state two
 // parameters share left the second a null state (dereferenced at the next step). A checkpoint that
@@ -588,13 +602,6 @@ TEST(Checkpoints, AStateThatDoesNotFitTheModelOrItsOptimizerIsRefused) {
   const auto dir = fresh_dir("checkpoint_fit");
   fs::create_directories(dir);
   torch::manual_seed(3);
-  const auto step = [](torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
-    optimizer.zero_grad();
-    torch::Tensor loss = torch::zeros({});
-    for (const auto& p : model.parameters()) loss = loss + p.square().sum();
-    loss.backward();
-    optimizer.step();
-  };
   const auto save = [&](torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
     qkv::GradScaler disabled(qkv::GradScalerOptions().enabled(false));
     qkv_train::save_checkpoint(dir.string(), model, optimizer, disabled, qkv_train::CheckpointState{});
@@ -610,7 +617,7 @@ TEST(Checkpoints, AStateThatDoesNotFitTheModelOrItsOptimizerIsRefused) {
   };
   torch::nn::Sequential saved(torch::nn::Linear(4, 3), torch::nn::Linear(3, 2));
   torch::optim::Adam saved_adam(saved->parameters(), torch::optim::AdamOptions(0.1));
-  step(*saved, saved_adam);
+  step_on_squares(*saved, saved_adam);
   save(*saved, saved_adam);
 
   {  // The same shapes: loads, and the next step runs.
@@ -618,7 +625,7 @@ TEST(Checkpoints, AStateThatDoesNotFitTheModelOrItsOptimizerIsRefused) {
     torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.1));
     ASSERT_EQ(load_error(*model, adam), "loaded");
     EXPECT_TRUE(torch::equal(model->parameters()[0], saved->parameters()[0]));
-    step(*model, adam);
+    step_on_squares(*model, adam);
   }
   {  // A model of other shapes.
     torch::nn::Sequential model(torch::nn::Linear(5, 3), torch::nn::Linear(3, 2));
@@ -636,7 +643,7 @@ TEST(Checkpoints, AStateThatDoesNotFitTheModelOrItsOptimizerIsRefused) {
   {  // A state saved for one parameter listed twice, loaded for two.
     torch::nn::Linear twice(2, 2);
     torch::optim::Adam twice_adam(std::vector<torch::Tensor>{twice->weight, twice->weight}, torch::optim::AdamOptions(0.1));
-    step(*twice, twice_adam);
+    step_on_squares(*twice, twice_adam);
     save(*twice, twice_adam);
     torch::nn::Linear model(2, 2);
     torch::optim::Adam adam(std::vector<torch::Tensor>{model->weight, model->bias}, torch::optim::AdamOptions(0.1));
@@ -695,16 +702,6 @@ TEST(MasterWeights, TheyResumeFromACheckpointAndFromOneWrittenBeforeThem) {
   const auto dir = fresh_dir("checkpoint_masters");
   fs::create_directories(dir);
   qkv::GradScaler disabled(qkv::GradScalerOptions().enabled(false));
-  const auto step = [](torch::nn::Module& model, torch::optim::Optimizer& optimizer, qkv_train::MasterWeights* masters) {
-    optimizer.zero_grad();
-    if (masters) masters->zero_grad();
-    torch::Tensor loss = torch::zeros({});
-    for (const auto& p : model.parameters()) loss = loss + p.to(torch::kFloat).square().sum();
-    loss.backward();
-    if (masters) masters->gradients_to_masters();
-    optimizer.step();
-    if (masters) masters->masters_to_model();
-  };
   const auto make = [] {
     torch::manual_seed(5);
     torch::nn::Sequential model(torch::nn::Linear(4, 3), torch::nn::LayerNorm(torch::nn::LayerNormOptions({3})));
@@ -720,7 +717,7 @@ TEST(MasterWeights, TheyResumeFromACheckpointAndFromOneWrittenBeforeThem) {
     auto saved = make();
     torch::optim::Adam adam(saved->parameters(), torch::optim::AdamOptions(1e-3));
     qkv_train::MasterWeights masters(*saved, adam);
-    for (int i = 0; i < 3; ++i) step(*saved, adam, &masters);
+    for (int i = 0; i < 3; ++i) step_on_squares(*saved, adam, &masters);
     qkv_train::save_checkpoint(dir.string(), *saved, adam, disabled, qkv_train::CheckpointState{}, &masters);
 
     auto model = make();
@@ -738,7 +735,7 @@ TEST(MasterWeights, TheyResumeFromACheckpointAndFromOneWrittenBeforeThem) {
   {  // Written before master weights: bfloat16 weights and bfloat16 Adam state.
     auto saved = make();
     torch::optim::Adam adam(saved->parameters(), torch::optim::AdamOptions(1e-3));
-    step(*saved, adam, nullptr);
+    step_on_squares(*saved, adam);
     qkv_train::save_checkpoint(dir.string(), *saved, adam, disabled, qkv_train::CheckpointState{});
 
     auto model = make();
@@ -754,7 +751,7 @@ TEST(MasterWeights, TheyResumeFromACheckpointAndFromOneWrittenBeforeThem) {
       EXPECT_EQ(state.exp_avg().scalar_type(), torch::kFloat) << i;
       EXPECT_EQ(state.exp_avg_sq().scalar_type(), torch::kFloat) << i;
     }
-    step(*model, resumed_adam, &resumed);  // and the next step runs
+    step_on_squares(*model, resumed_adam, &resumed);  // and the next step runs
     EXPECT_EQ(model->parameters()[0].scalar_type(), torch::kBFloat16);
   }
   fs::remove_all(dir);

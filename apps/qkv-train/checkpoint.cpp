@@ -1,6 +1,7 @@
 #include "checkpoint.h"
 
 #include "atomic_file.h"
+#include "half_precision.h"
 #include "torch_compat.h"
 #include "torch_file.h"
 
@@ -29,8 +30,12 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
       archive.write("grad_scaler", scaler_archive);
     }
     if (masters != nullptr && masters->active()) {
+      // Keyed by position (the optimizer's order, the same in a resumed run): a parameter's name,
+      // with its dots, is not an archive's attribute name.
       torch::serialize::OutputArchive masters_archive;
-      masters->save(masters_archive);
+      for (size_t i = 0; i < masters->masters().size(); ++i) {
+        masters_archive.write(std::to_string(i), masters->masters()[i].master);
+      }
       archive.write("master_weights", masters_archive);
     }
     archive.write("step", torch::tensor(state.step, torch::kLong));
@@ -132,11 +137,25 @@ void check_model_kept(const std::vector<std::pair<std::string, TensorSlot>>& bef
   }
 }
 
-// The tensors of Adam's and AdamW's state (two classes of the same fields) and its step.
-template <typename AdamState>
-std::pair<std::vector<std::pair<std::string, torch::Tensor>>, int64_t> adam_moments(const AdamState& state) {
-  return {{{"exp_avg", state.exp_avg()}, {"exp_avg_sq", state.exp_avg_sq()}, {"max_exp_avg_sq", state.max_exp_avg_sq()}},
-          state.step()};
+// Calls visit(name, tensor) on each tensor of Adam's or AdamW's state (two classes of the same
+// fields) and puts what it returns in the tensor's place; returns the state's step.
+template <typename AdamState, typename Visit>
+int64_t visit_adam_state(AdamState& state, Visit& visit) {
+  state.exp_avg(visit("exp_avg", state.exp_avg()));
+  state.exp_avg_sq(visit("exp_avg_sq", state.exp_avg_sq()));
+  state.max_exp_avg_sq(visit("max_exp_avg_sq", state.max_exp_avg_sq()));
+  return state.step();
+}
+
+// The same for a parameter's Adam, AdamW or SGD state (whose step is 0: SGD keeps none).
+template <typename Visit>
+int64_t visit_state_tensors(torch::optim::OptimizerParamState& state, Visit visit) {
+  if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(&state)) return visit_adam_state(*adam, visit);
+  if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(&state)) return visit_adam_state(*adamw, visit);
+  if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(&state)) {
+    sgd->momentum_buffer(visit("momentum_buffer", sgd->momentum_buffer()));
+  }
+  return 0;
 }
 
 // Optimizer::load gives each parameter the state saved under its key: a key two parameters share
@@ -148,25 +167,47 @@ void check_optimizer_state(torch::optim::Optimizer& optimizer) {
       const auto found = qkv::compat::find_optimizer_state(optimizer.state(), parameter);
       if (found == optimizer.state().end()) continue;  // no step yet
       if (found->second == nullptr) throw std::runtime_error("its optimizer state names one parameter's state twice");
-      std::pair<std::vector<std::pair<std::string, torch::Tensor>>, int64_t> state;  // tensors, step
-      if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(found->second.get())) {
-        state = adam_moments(*adam);
-      } else if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(found->second.get())) {
-        state = adam_moments(*adamw);
-      } else if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(found->second.get())) {
-        state = {{{"momentum_buffer", sgd->momentum_buffer()}}, 0};
-      }
-      const auto& [tensors, step] = state;
-      if (step < 0) throw std::runtime_error("its optimizer state has step " + std::to_string(step));
       const TensorSlot expected(parameter);
-      for (const auto& [name, tensor] : tensors) {
-        if (tensor.defined() && TensorSlot(tensor) != expected) {
-          throw std::runtime_error("its optimizer state's " + name + " is " + TensorSlot(tensor).text() +
-                                   ", where its parameter is " + expected.text());
-        }
-      }
+      const int64_t step =
+          visit_state_tensors(*found->second, [&](const std::string& name, const torch::Tensor& tensor) {
+            if (tensor.defined() && TensorSlot(tensor) != expected) {
+              throw std::runtime_error("its optimizer state's " + name + " is " + TensorSlot(tensor).text() +
+                                       ", where its parameter is " + expected.text());
+            }
+            return tensor;
+          });
+      if (step < 0) throw std::runtime_error("its optimizer state has step " + std::to_string(step));
     }
   }
+}
+
+// Loads the masters save_checkpoint wrote, every one checked before any is set. A checkpoint written
+// before master weights has none: the masters take its (bfloat16) weights, and its optimizer state,
+// of the model's half dtype, is widened to float32 (exactly).
+void load_masters(torch::serialize::InputArchive& archive, torch::optim::Optimizer& optimizer, MasterWeights& masters) {
+  torch::serialize::InputArchive masters_archive;
+  if (!archive.try_read("master_weights", masters_archive)) {
+    masters.copy_from_model();
+    for (const auto& m : masters.masters()) {
+      const auto found = qkv::compat::find_optimizer_state(optimizer.state(), m.master);
+      if (found == optimizer.state().end() || found->second == nullptr) continue;
+      visit_state_tensors(*found->second, [](const std::string&, const torch::Tensor& tensor) {
+        return tensor.defined() && qkv::detail::half_precision(tensor.scalar_type()) ? tensor.to(torch::kFloat) : tensor;
+      });
+    }
+    return;
+  }
+  std::vector<torch::Tensor> read(masters.masters().size());
+  for (size_t i = 0; i < read.size(); ++i) {
+    const auto& m = masters.masters()[i];
+    if (!masters_archive.try_read(std::to_string(i), read[i])) throw std::runtime_error("it has no master weight of " + m.name);
+    if (TensorSlot(read[i]) != TensorSlot(m.master)) {
+      throw std::runtime_error("its master weight of " + m.name + " is " + TensorSlot(read[i]).text() +
+                               ", where the run's is " + TensorSlot(m.master).text());
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < read.size(); ++i) masters.masters()[i].master.copy_(read[i]);
 }
 
 CheckpointState read_state(torch::serialize::InputArchive& archive) {
@@ -224,13 +265,7 @@ CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model
     model.load(model_archive);
     check_model_kept(slots, model);
     optimizer.load(optimizer_archive);
-    if (masters != nullptr && masters->active()) {
-      torch::serialize::InputArchive masters_archive;
-      if (!archive.try_read("master_weights", masters_archive) || !masters->load(masters_archive)) {
-        masters->copy_from_model();  // a checkpoint written before master weights: its bfloat16 values
-      }
-      masters->widen_optimizer_state();
-    }
+    if (masters != nullptr && masters->active()) load_masters(archive, optimizer, *masters);
     check_optimizer_state(optimizer);
     torch::serialize::InputArchive scaler_archive;
     if (scaler.is_enabled() && archive.try_read("grad_scaler", scaler_archive)) scaler.load(scaler_archive);

@@ -9,7 +9,7 @@
 //
 // Per step: optimizer.zero_grad() and zero_grad(); backward (and any all-reduce of the model's
 // gradients); gradients_to_masters(); clipping, unscaling and optimizer.step() on the optimizer's
-// parameters (the masters); masters_to_model().
+// parameters (the masters); masters_to_model(). Checkpoints carry the masters (checkpoint.h).
 #pragma once
 
 #include <torch/torch.h>
@@ -21,12 +21,21 @@ namespace qkv_train {
 
 class MasterWeights {
  public:
+  /// A master: the float32 copy the optimizer steps in place of the model's parameter `name`.
+  struct Master {
+    std::string name;
+    torch::Tensor parameter;  // the model's, bfloat16 or float16
+    torch::Tensor master;     // float32, in the optimizer
+  };
+
   /// Takes `optimizer`'s bfloat16 and float16 parameters (of `model`) over before its first step:
   /// from then on the optimizer steps on float32 copies of them, its state float32 too. Does nothing
   /// where every parameter is float32 or float64 (active() false; every call below a no-op).
   MasterWeights(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
 
-  bool active() const { return !pairs_.empty(); }
+  bool active() const { return !masters_.empty(); }
+  /// In the order the optimizer holds them (the same in a resumed run).
+  const std::vector<Master>& masters() const { return masters_; }
 
   /// The masters take the model's values (after it was initialised, loaded or broadcast).
   void copy_from_model();
@@ -40,24 +49,8 @@ class MasterWeights {
   /// steps, in the model's order (for clipping the gradients it applies).
   std::vector<torch::Tensor> stepped(std::vector<torch::Tensor> parameters) const;
 
-  /// Writes the masters, in the order the optimizer holds them.
-  void save(torch::serialize::OutputArchive& archive) const;
-  /// Reads the masters `save` wrote; false (the archive holds none: a checkpoint written before
-  /// master weights) leaves the masters to the caller. Throws std::runtime_error naming a master the
-  /// archive lacks or holds in another shape, dtype or device.
-  bool load(torch::serialize::InputArchive& archive);
-  /// Widens the optimizer state of the masters to float32 where a checkpoint written before master
-  /// weights held it in the model's half dtype (exact).
-  void widen_optimizer_state();
-
  private:
-  struct Pair {
-    std::string name;
-    torch::Tensor parameter;  // the model's, bfloat16 or float16
-    torch::Tensor master;     // float32, in the optimizer
-  };
-  torch::optim::Optimizer& optimizer_;
-  std::vector<Pair> pairs_;
+  std::vector<Master> masters_;
 };
 
 }  // namespace qkv_train

@@ -4,6 +4,7 @@
 // B = batch, H = query heads, Hkv = key/value heads, G = H / Hkv, N = query positions,
 // S = key positions, D = head width, Dv = value width.
 #include "kernels/kernels.h"
+#include "half_precision.h"
 
 #include <qkv/precision.h>
 
@@ -23,7 +24,7 @@ AttentionResult math_attention(const torch::Tensor& q_in, const torch::Tensor& k
   // Inside an autocast scope too: its CPU autocast would multiply the float32 operands in bfloat16
   // again, so autocast is off for this function's operations (and so for their backward).
   const auto dtype = q_in.scalar_type();
-  const bool upcast = q_in.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
+  const bool upcast = q_in.device().is_cpu() && detail::half_precision(dtype);
   std::optional<AutocastGuard> float32_products;
   if (upcast) float32_products.emplace(q_in.device(), dtype, /*enabled=*/false);
   const auto q = upcast ? q_in.to(torch::kFloat) : q_in;
@@ -58,7 +59,7 @@ AttentionResult math_attention(const torch::Tensor& q_in, const torch::Tensor& k
   }
   // Step 3: softmax per row turns scores into weights that sum to 1. Half-precision scores (on
   // CUDA) are normalised in float32: exp() of bf16 scores loses too much to sum reliably.
-  const bool reduced_precision = q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16;
+  const bool reduced_precision = detail::half_precision(q.scalar_type());
   auto weights = reduced_precision ? torch::softmax(scores, /*dim=*/-1, torch::kFloat).to(q.scalar_type())
                                    : torch::softmax(scores, /*dim=*/-1);  // (..., H, N, S)
   if (prepared.dead_rows.defined()) weights = weights.masked_fill(prepared.dead_rows, 0.0);

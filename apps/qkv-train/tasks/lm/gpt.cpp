@@ -1,6 +1,7 @@
 #include "tasks/lm/gpt.h"
 
 #include "eval_mode.h"
+#include "half_precision.h"
 #include "layer_norm.h"
 #include "linear.h"
 
@@ -9,8 +10,7 @@
 namespace qkv_train::lm {
 
 torch::Tensor embed(const torch::Tensor& table, const torch::Tensor& ids) {
-  const bool half = table.scalar_type() == torch::kBFloat16 || table.scalar_type() == torch::kHalf;
-  if (half && table.device().is_cpu() && table.requires_grad() && torch::GradMode::is_enabled()) {
+  if (qkv::detail::half_precision(table.scalar_type()) && table.device().is_cpu() && table.requires_grad() && torch::GradMode::is_enabled()) {
     // Gathering float32 copies of half-precision numbers and rounding back is exact; autograd then
     // sums the rows' gradients in float32 and rounds the table's gradient once, on the way back
     // through the widening. Costs a float32 copy of the table per call (small: a character vocabulary).
