@@ -13,7 +13,6 @@
 
 #include "qkv-train/checkpoint.h"
 #include "qkv-train/cli.h"
-#include "qkv-train/master_weights.h"
 #include "qkv-train/task_registry.h"
 
 #include <qkv/precision.h>
@@ -47,7 +46,7 @@ struct Resume {
     }
     task = qkv_train::find_task(config.task).make(config, torch::kCPU);
     optimizer = task->make_optimizer(config.lr);
-    masters = std::make_unique<qkv_train::MasterWeights>(task->model(), *optimizer);
+    masters = std::make_unique<qkv::MasterWeights>(task->model(), *optimizer);
     const fs::path base = fs::exists("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
     dir = base / ("qkv-fuzz-checkpoint-" + std::string(dtype) + "-" + std::to_string(::getpid()));
     fs::create_directories(dir);
@@ -60,7 +59,7 @@ struct Resume {
   qkv_train::RunConfig config;
   std::unique_ptr<qkv_train::TrainableTask> task;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
-  std::unique_ptr<qkv_train::MasterWeights> masters;  // active in bfloat16
+  std::unique_ptr<qkv::MasterWeights> masters;  // active in bfloat16
   qkv::GradScaler scaler;  // enabled, so a checkpoint's grad_scaler entry is read
   fs::path dir;
 };

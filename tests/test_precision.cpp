@@ -9,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -214,6 +215,16 @@ struct Problem {
   torch::Tensor loss() { return model(torch::ones({2, 4}, device)).pow(2).sum(); }
 };
 
+// `archive` written to bytes and read back, as a checkpoint file is.
+torch::serialize::InputArchive through_bytes(torch::serialize::OutputArchive& archive) {
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  std::istringstream stream(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(stream);
+  return in;
+}
+
 // An inf in the first parameter's gradient, or a NaN in the last one's after finite ones (every
 // gradient's verdict counts), skips the step and halves the scale; the next good step's unscaled
 // gradients are the true ones.
@@ -318,12 +329,8 @@ TEST(GradScaler, StateRoundTripsAndMisuseIsAnError) {
   scaler.update();
   torch::serialize::OutputArchive out;
   scaler.save(out);
-  std::ostringstream bytes;
-  out.save_to(bytes);
   qkv::GradScaler restored;
-  torch::serialize::InputArchive in;
-  std::istringstream stream(bytes.str());
-  in.load_from(stream);
+  auto in = through_bytes(out);
   restored.load(in);
   EXPECT_EQ(restored.get_scale(), 256.0);
   EXPECT_EQ(restored.growth_tracker(), 1);
@@ -358,6 +365,198 @@ TEST(GradScaler, StateRoundTripsAndMisuseIsAnError) {
   const auto loss = p.loss();
   EXPECT_TRUE(disabled.scale(loss).is_same(loss));
   EXPECT_EQ(disabled.get_scale(), 1.0);
+}
+
+// MasterWeights: the optimizer of a half-precision model steps on float32 copies.
+
+// AdamW with a constant gradient g moves a weight by lr·g/(|g| + eps) a step after decaying it by
+// 1 - lr·wd (Adam's bias corrections cancel): 20 steps of lr 1e-3 take 1 to about 0.98, which
+// LibTorch's AdamW on the bfloat16 weight itself never leaves (each step under half of bfloat16's
+// spacing there, 2^-8). Through the loop the header shows, the masters follow float64's arithmetic
+// within float32's rounding and the model holds them rounded once.
+TEST(MasterWeights, TheyTakeTheStepsABFloat16WeightCannotHold) {
+  const double lr = 1e-3, decay = 0.1;
+  torch::nn::Linear model(torch::nn::LinearOptions(3, 1).bias(false));
+  const std::vector<double> start{1.0, 0.02, -100.0}, gradient{1.0, -0.5, 2.0};
+  {
+    torch::NoGradGuard no_grad;
+    model->weight.copy_(torch::tensor(start, torch::kDouble).view({1, 3}));
+  }
+  model->to(torch::kBFloat16);
+  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(decay));
+  qkv::MasterWeights masters(*model, adamw);
+  ASSERT_TRUE(masters.active());
+  ASSERT_EQ(masters.masters().size(), 1u);
+  EXPECT_EQ(masters.masters()[0].name, "weight");
+  auto expected = model->weight.detach().to(torch::kDouble).view({3});  // 0.02 as bfloat16 holds it
+  const auto g = torch::tensor(gradient, torch::kDouble);
+  for (int step = 1; step <= 20; ++step) {
+    adamw.zero_grad();
+    const auto loss = (model->weight * torch::tensor(gradient).to(torch::kBFloat16).view({1, 3})).sum();
+    loss.backward();  // the gradient is `gradient`, exact in bfloat16
+    masters.gradients_to_masters();
+    EXPECT_FALSE(model->weight.grad().defined()) << "released, so the next backward does not add to it";
+    // The clipped gradients are the ones the optimizer applies: the masters', whose norm is g's.
+    const double norm = torch::nn::utils::clip_grad_norm_(masters.stepped(model->parameters()), 10.0);
+    EXPECT_NEAR(norm, std::sqrt(1.0 + 0.25 + 4.0), 1e-6);
+    adamw.step();
+    masters.masters_to_model();
+    expected = expected * (1 - lr * decay) - lr * g / (g.abs() + 1e-8);
+  }
+  EXPECT_EQ(model->weight.scalar_type(), torch::kBFloat16);
+  // The master: the only parameter the optimizer holds, float32, its state float32 too.
+  const auto master = adamw.param_groups()[0].params()[0];
+  ASSERT_EQ(master.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(master.is_same(masters.masters()[0].master));
+  EXPECT_TRUE(torch::allclose(master.to(torch::kDouble).view({3}), expected, 1e-6, 0.0))
+      << master.to(torch::kDouble).view({3}) - expected;
+  EXPECT_TRUE(qkv_test::within_one_rounding(model->weight.view({3}), expected, std::ldexp(1.0, -8)));
+  EXPECT_LT(model->weight[0][0].item<double>(), 0.99);  // moved off 1, as the masters did
+}
+
+// Micro-batches, each a backward and gradients_to_masters(), add up in float32: gradients of 1
+// and then eight of 2^-9 make 1 + 2^-6. Left to accumulate in the bfloat16 model, each 2^-9 (under
+// half of bfloat16's spacing at 1) is lost and the sum stays 1.
+TEST(MasterWeights, MicroBatchGradientsAddUpInFloat32) {
+  torch::nn::Linear model(torch::nn::LinearOptions(1, 1).bias(false));
+  {
+    torch::NoGradGuard no_grad;
+    model->weight.fill_(1.0);
+  }
+  model->to(torch::kBFloat16);
+  const auto backward_with_gradient = [&](double gradient) {
+    (model->weight * torch::tensor(gradient).to(torch::kBFloat16)).sum().backward();
+  };
+  std::vector<double> gradients{1.0};
+  for (int i = 0; i < 8; ++i) gradients.push_back(std::ldexp(1.0, -9));
+
+  for (double gradient : gradients) backward_with_gradient(gradient);  // the model's own accumulation
+  EXPECT_EQ(model->weight.grad().item<double>(), 1.0);
+  model->weight.mutable_grad() = torch::Tensor();
+
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(1.0));
+  qkv::MasterWeights masters(*model, sgd);
+  sgd.zero_grad();
+  for (double gradient : gradients) {
+    backward_with_gradient(gradient);
+    masters.gradients_to_masters();
+  }
+  const auto& master = masters.masters()[0].master;
+  EXPECT_EQ(master.grad().item<double>(), 1.0 + std::ldexp(1.0, -6));
+  sgd.step();
+  masters.masters_to_model();
+  EXPECT_EQ(master.item<double>(), -std::ldexp(1.0, -6));
+  EXPECT_EQ(model->weight.item<double>(), -std::ldexp(1.0, -6));  // exact in bfloat16 too
+}
+
+// A float16 model with a GradScaler: a gradient that overflows float16 (1 · 2^16 > 65504) reaches
+// the masters as inf, so the step is skipped and the scale halves; at 2^15 a gradient of 2^-26,
+// which float16 flushes to zero unscaled, reaches the masters exactly and moves one by a step the
+// float16 weight cannot hold.
+TEST(MasterWeights, WithAGradScalerAFloat16OverflowSkipsTheStep) {
+  torch::nn::Linear model(torch::nn::LinearOptions(2, 1).bias(false));
+  {
+    torch::NoGradGuard no_grad;
+    model->weight.copy_(torch::tensor({{1.0F, 0.0F}}));
+  }
+  model->to(torch::kHalf);
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.5));
+  qkv::MasterWeights masters(*model, sgd);
+  qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(65536.0));
+  const auto x = torch::tensor({{1.0F, static_cast<float>(std::ldexp(1.0, -26))}});
+  const auto step = [&] {
+    sgd.zero_grad();
+    const auto loss = (model->weight.to(torch::kFloat) * x).sum();  // the loss in float32, as under autocast
+    scaler.scale(loss).backward();
+    masters.gradients_to_masters();
+    const bool stepped = scaler.step(sgd);
+    scaler.update();
+    masters.masters_to_model();
+    return stepped;
+  };
+  const auto& master = masters.masters()[0].master;
+  EXPECT_FALSE(step());
+  EXPECT_EQ(scaler.get_scale(), 32768.0);
+  EXPECT_TRUE(torch::equal(master, torch::tensor({{1.0F, 0.0F}})));
+  EXPECT_TRUE(step());
+  EXPECT_EQ(master[0][0].item<double>(), 0.5);
+  EXPECT_EQ(master[0][1].item<double>(), -std::ldexp(1.0, -27));
+  EXPECT_EQ(model->weight[0][0].item<double>(), 0.5);
+  EXPECT_EQ(model->weight[0][1].item<double>(), 0.0);  // under float16's smallest subnormal, 2^-24
+}
+
+// save() and load() carry the masters bit for bit (not the model's rounding of them). An archive
+// that does not fit is refused, naming the master and both shapes, before any master is set.
+TEST(MasterWeights, TheyLoadBitForBitAndALoadThatDoesNotFitChangesNothing) {
+  const auto make = [](int64_t outputs) {
+    torch::manual_seed(7);
+    torch::nn::Sequential model(torch::nn::Linear(4, 3), torch::nn::Linear(3, outputs));
+    model->to(torch::kBFloat16);
+    return model;
+  };
+  auto saved = make(2);
+  torch::optim::Adam adam(saved->parameters(), torch::optim::AdamOptions(1e-3));
+  qkv::MasterWeights masters(*saved, adam);
+  adam.zero_grad();
+  saved->forward(torch::ones({2, 4}, torch::kBFloat16)).to(torch::kFloat).square().sum().backward();
+  masters.gradients_to_masters();
+  adam.step();
+  masters.masters_to_model();
+  torch::serialize::OutputArchive out;
+  masters.save(out);
+
+  auto model = make(2);
+  torch::optim::Adam resumed_adam(model->parameters(), torch::optim::AdamOptions(1e-3));
+  qkv::MasterWeights resumed(*model, resumed_adam);
+  auto in = through_bytes(out);
+  resumed.load(in);
+  ASSERT_EQ(resumed.masters().size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_TRUE(torch::equal(resumed.masters()[i].master, masters.masters()[i].master)) << i;
+    EXPECT_FALSE(torch::equal(resumed.masters()[i].master, saved->parameters()[i].to(torch::kFloat))) << i;
+  }
+
+  auto other = make(5);
+  torch::optim::Adam other_adam(other->parameters(), torch::optim::AdamOptions(1e-3));
+  qkv::MasterWeights other_masters(*other, other_adam);
+  const auto before = other_masters.masters()[0].master.clone();
+  auto again = through_bytes(out);
+  EXPECT_THAT([&] { other_masters.load(again); },
+              ::testing::ThrowsMessage<c10::Error>(
+                  HasSubstr("MasterWeights::load: expected the master of 1.weight to be [5, 3] float, got [2, 3] float")));
+  EXPECT_TRUE(torch::equal(other_masters.masters()[0].master, before)) << "0.weight fits, but nothing is set";
+
+  torch::serialize::OutputArchive empty;
+  auto nothing = through_bytes(empty);
+  EXPECT_THAT([&] { resumed.load(nothing); },
+              ::testing::ThrowsMessage<c10::Error>(
+                  HasSubstr("MasterWeights::load: expected 4 masters, got none for 0.weight (position 0)")));
+}
+
+// Where every parameter is float32, MasterWeights is a no-op and the optimizer keeps its own. It
+// takes an optimizer over only before its first step, and only the model's parameters.
+TEST(MasterWeights, FloatModelsAreLeftAloneAndMisuseIsAnError) {
+  torch::nn::Linear float_model(2, 2);
+  torch::optim::SGD float_sgd(float_model->parameters(), torch::optim::SGDOptions(0.1));
+  qkv::MasterWeights none(*float_model, float_sgd);
+  EXPECT_FALSE(none.active());
+  EXPECT_TRUE(float_sgd.param_groups()[0].params()[0].is_same(float_model->weight));
+  float_model(torch::ones({1, 2})).sum().backward();
+  none.gradients_to_masters();
+  EXPECT_TRUE(float_model->weight.grad().defined()) << "a float32 parameter's gradient is the optimizer's";
+
+  torch::nn::Linear model(2, 2);
+  model->to(torch::kBFloat16);
+  torch::optim::Adam stepped(model->parameters(), torch::optim::AdamOptions(0.1));
+  model(torch::ones({1, 2}, torch::kBFloat16)).sum().backward();
+  stepped.step();
+  EXPECT_THAT([&] { qkv::MasterWeights late(*model, stepped); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("expected an optimizer that has not stepped yet")));
+
+  const auto stranger = torch::zeros({3}, torch::kBFloat16).requires_grad_(true);
+  torch::optim::SGD foreign(std::vector<torch::Tensor>{stranger}, torch::optim::SGDOptions(0.1));
+  EXPECT_THAT([&] { qkv::MasterWeights wrong(*model, foreign); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("got one of shape [3] that the model lacks")));
 }
 
 }  // namespace

@@ -3,7 +3,6 @@
 // tested in test_qkv_train_lm.cpp; failure cases that need killing processes are ctest scripts.
 #include "common/cli_support.h"
 #include "qkv-train/checkpoint.h"
-#include "qkv-train/master_weights.h"
 #include "torch_compat.h"
 #include "qkv-train/cli.h"
 #include "qkv-train/task_registry.h"
@@ -583,9 +582,8 @@ TEST(TrainTasks, ACheckpointsCodeIsNeverCompiledSoItCannotCrashTheResume) {
 // One optimizer step on the sum of every parameter's squares (gradient 2p, in float32), through
 // `masters` (qkv-train --dtype bfloat16's float32 copies) where given.
 void step_on_squares(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     qkv_train::MasterWeights* masters = nullptr) {
+                     qkv::MasterWeights* masters = nullptr) {
   optimizer.zero_grad();
-  if (masters) masters->zero_grad();
   torch::Tensor loss = torch::zeros({});
   for (const auto& p : model.parameters()) loss = loss + p.to(torch::kFloat).square().sum();
   loss.backward();
@@ -652,49 +650,6 @@ TEST(Checkpoints, AStateThatDoesNotFitTheModelOrItsOptimizerIsRefused) {
   fs::remove_all(dir);
 }
 
-// --dtype bfloat16's optimizer steps on float32 master weights. AdamW with a constant gradient g
-// moves a weight by lr·g/(|g| + eps) a step after decaying it by 1 - lr·wd (Adam's bias corrections
-// cancel): 20 steps of lr 1e-3 take 1 to about 0.98, which LibTorch's AdamW on the bfloat16 weight
-// itself never leaves (each step under half of bfloat16's spacing there, 2^-8). The masters follow
-// float64's arithmetic within float32's rounding, the model holds them rounded once, and the model's
-// own gradients stay for whoever reads them until zero_grad.
-TEST(MasterWeights, TheyTakeTheStepsABFloat16WeightCannotHold) {
-  const double lr = 1e-3, decay = 0.1;
-  torch::nn::Linear model(torch::nn::LinearOptions(3, 1).bias(false));
-  const std::vector<double> start{1.0, 0.02, -100.0}, gradient{1.0, -0.5, 2.0};
-  {
-    torch::NoGradGuard no_grad;
-    model->weight.copy_(torch::tensor(start, torch::kDouble).view({1, 3}));
-  }
-  model->to(torch::kBFloat16);
-  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(decay));
-  qkv_train::MasterWeights masters(*model, adamw);
-  ASSERT_TRUE(masters.active());
-  masters.copy_from_model();
-  auto expected = model->weight.detach().to(torch::kDouble).view({3});  // 0.02 as bfloat16 holds it
-  const auto g = torch::tensor(gradient, torch::kDouble);
-  for (int step = 1; step <= 20; ++step) {
-    adamw.zero_grad();
-    masters.zero_grad();
-    EXPECT_FALSE(model->weight.grad().defined());
-    const auto loss = (model->weight * torch::tensor(gradient).to(torch::kBFloat16).view({1, 3})).sum();
-    loss.backward();  // the gradient is `gradient`, exact in bfloat16
-    masters.gradients_to_masters();
-    adamw.step();
-    masters.masters_to_model();
-    expected = expected * (1 - lr * decay) - lr * g / (g.abs() + 1e-8);
-    EXPECT_TRUE(model->weight.grad().defined());
-  }
-  EXPECT_EQ(model->weight.scalar_type(), torch::kBFloat16);
-  // The master: the only float32 parameter the optimizer holds.
-  const auto master = adamw.param_groups()[0].params()[0];
-  ASSERT_EQ(master.scalar_type(), torch::kFloat);
-  EXPECT_TRUE(torch::allclose(master.to(torch::kDouble).view({3}), expected, 1e-6, 0.0))
-      << master.to(torch::kDouble).view({3}) - expected;
-  EXPECT_TRUE(within_one_rounding(model->weight.view({3}), expected, std::ldexp(1.0, -8)));
-  EXPECT_LT(model->weight[0][0].item<double>(), 0.99);  // moved off 1, as the masters did
-}
-
 // The masters go into the checkpoint with the optimizer's state, and load back bit for bit. A
 // checkpoint written before master weights (a bfloat16 model stepped by LibTorch's optimizer on its
 // own weights) still resumes: the masters take its weights, the optimizer's state is widened to float32.
@@ -716,13 +671,13 @@ TEST(MasterWeights, TheyResumeFromACheckpointAndFromOneWrittenBeforeThem) {
   {  // Written with masters, read back into a fresh run's.
     auto saved = make();
     torch::optim::Adam adam(saved->parameters(), torch::optim::AdamOptions(1e-3));
-    qkv_train::MasterWeights masters(*saved, adam);
+    qkv::MasterWeights masters(*saved, adam);
     for (int i = 0; i < 3; ++i) step_on_squares(*saved, adam, &masters);
     qkv_train::save_checkpoint(dir.string(), *saved, adam, disabled, qkv_train::CheckpointState{}, &masters);
 
     auto model = make();
     torch::optim::Adam resumed_adam(model->parameters(), torch::optim::AdamOptions(1e-3));
-    qkv_train::MasterWeights resumed(*model, resumed_adam);
+    qkv::MasterWeights resumed(*model, resumed_adam);
     qkv_train::load_checkpoint(dir.string(), *model, resumed_adam, disabled, &resumed);
     const auto expected = master_values(adam), actual = master_values(resumed_adam);
     ASSERT_EQ(actual.size(), expected.size());
@@ -740,7 +695,7 @@ TEST(MasterWeights, TheyResumeFromACheckpointAndFromOneWrittenBeforeThem) {
 
     auto model = make();
     torch::optim::Adam resumed_adam(model->parameters(), torch::optim::AdamOptions(1e-3));
-    qkv_train::MasterWeights resumed(*model, resumed_adam);
+    qkv::MasterWeights resumed(*model, resumed_adam);
     qkv_train::load_checkpoint(dir.string(), *model, resumed_adam, disabled, &resumed);
     const auto masters = master_values(resumed_adam);
     for (size_t i = 0; i < masters.size(); ++i) {

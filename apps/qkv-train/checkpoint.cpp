@@ -15,7 +15,7 @@ namespace qkv_train {
 namespace fs = std::filesystem;
 
 void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     const qkv::GradScaler& scaler, const CheckpointState& state, const MasterWeights* masters) {
+                     const qkv::GradScaler& scaler, const CheckpointState& state, const qkv::MasterWeights* masters) {
   const auto path = (fs::path(dir) / kCheckpointFile).string();
   try {
     torch::serialize::OutputArchive archive;
@@ -30,12 +30,8 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
       archive.write("grad_scaler", scaler_archive);
     }
     if (masters != nullptr && masters->active()) {
-      // Keyed by position (the optimizer's order, the same in a resumed run): a parameter's name,
-      // with its dots, is not an archive's attribute name.
       torch::serialize::OutputArchive masters_archive;
-      for (size_t i = 0; i < masters->masters().size(); ++i) {
-        masters_archive.write(std::to_string(i), masters->masters()[i].master);
-      }
+      masters->save(masters_archive);
       archive.write("master_weights", masters_archive);
     }
     archive.write("step", torch::tensor(state.step, torch::kLong));
@@ -181,10 +177,11 @@ void check_optimizer_state(torch::optim::Optimizer& optimizer) {
   }
 }
 
-// Loads the masters save_checkpoint wrote, every one checked before any is set. A checkpoint written
-// before master weights has none: the masters take its (bfloat16) weights, and its optimizer state,
-// of the model's half dtype, is widened to float32 (exactly).
-void load_masters(torch::serialize::InputArchive& archive, torch::optim::Optimizer& optimizer, MasterWeights& masters) {
+// Loads the masters save_checkpoint wrote (MasterWeights::load checks every one before it sets any). A
+// checkpoint written before master weights has none: the masters take its (bfloat16) weights, and
+// its optimizer state, of the model's half dtype, is widened to float32 (exactly).
+void load_masters(torch::serialize::InputArchive& archive, torch::optim::Optimizer& optimizer,
+                  qkv::MasterWeights& masters) {
   torch::serialize::InputArchive masters_archive;
   if (!archive.try_read("master_weights", masters_archive)) {
     masters.copy_from_model();
@@ -197,17 +194,7 @@ void load_masters(torch::serialize::InputArchive& archive, torch::optim::Optimiz
     }
     return;
   }
-  std::vector<torch::Tensor> read(masters.masters().size());
-  for (size_t i = 0; i < read.size(); ++i) {
-    const auto& m = masters.masters()[i];
-    if (!masters_archive.try_read(std::to_string(i), read[i])) throw std::runtime_error("it has no master weight of " + m.name);
-    if (TensorSlot(read[i]) != TensorSlot(m.master)) {
-      throw std::runtime_error("its master weight of " + m.name + " is " + TensorSlot(read[i]).text() +
-                               ", where the run's is " + TensorSlot(m.master).text());
-    }
-  }
-  torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < read.size(); ++i) masters.masters()[i].master.copy_(read[i]);
+  masters.load(masters_archive);
 }
 
 CheckpointState read_state(torch::serialize::InputArchive& archive) {
@@ -255,7 +242,7 @@ CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module&
 }
 
 CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                qkv::GradScaler& scaler, MasterWeights* masters) {
+                                qkv::GradScaler& scaler, qkv::MasterWeights* masters) {
   auto archive = open_archive(dir);
   try {
     torch::serialize::InputArchive model_archive, optimizer_archive;

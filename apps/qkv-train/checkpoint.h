@@ -4,8 +4,6 @@
 // (src/torch_file.h: its TorchScript code is never compiled), whichever LibTorch wrote it.
 #pragma once
 
-#include "master_weights.h"
-
 #include <qkv/precision.h>
 
 #include <torch/torch.h>
@@ -32,7 +30,7 @@ struct CheckpointState {
 /// std::runtime_error naming the path on failure.
 void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                      const qkv::GradScaler& scaler, const CheckpointState& state,
-                     const MasterWeights* masters = nullptr);
+                     const qkv::MasterWeights* masters = nullptr);
 
 /// Reads only the options and step of DIR/checkpoint.pt (to check a resume before building the model).
 CheckpointState read_checkpoint_state(const std::string& dir);
@@ -47,6 +45,6 @@ CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module&
 /// parameters or the optimizer's state (shape, dtype, device), is refused with a std::runtime_error
 /// naming the file.
 CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                qkv::GradScaler& scaler, MasterWeights* masters = nullptr);
+                                qkv::GradScaler& scaler, qkv::MasterWeights* masters = nullptr);
 
 }  // namespace qkv_train

@@ -8,6 +8,7 @@
 #include "run_config.h"
 
 #include <qkv/functional.h>
+#include <qkv/precision.h>
 
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
@@ -67,8 +68,9 @@ class TrainableTask {
   virtual std::vector<double> evaluate() = 0;
   /// Names of figures about a step's gradients, beside grad_norm (e.g. grad_norm_qk).
   virtual std::vector<std::string> gradient_columns() const { return {}; }
-  /// Those figures, after the backward pass of a step, in that order.
-  virtual std::vector<double> gradient_figures() { return {}; }
+  /// Those figures, after the backward pass of a step, in that order: of the gradients the optimizer
+  /// applies, `masters.stepped(parameters)`'s (with --dtype bfloat16 the model's own are released).
+  virtual std::vector<double> gradient_figures(const qkv::MasterWeights& /*masters*/) { return {}; }
 
   /// Task-specific entries for summary.json (beside the trainer's own).
   virtual nlohmann::json summary_extras() { return nlohmann::json::object(); }

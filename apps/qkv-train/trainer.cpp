@@ -3,7 +3,6 @@
 #include "trainer.h"
 
 #include "checkpoint.h"
-#include "master_weights.h"
 #include "progress.h"
 #include "resources.h"
 #include "run_precision.h"
@@ -214,7 +213,6 @@ class Trainer {
     for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
     // Forward pass (in the run's precision: autocast for bf16-mixed / fp16-mixed)
     optimizer_->zero_grad();
-    masters_.zero_grad();
     torch::Tensor loss;
     {
       const auto precision = precision_.autocast();
@@ -238,14 +236,14 @@ class Trainer {
                                          task_->divergence_hint(), config_.lr));
     }
     if (!initial_loss_) initial_loss_ = last_loss_;
-    masters_.gradients_to_masters();  // from here on the optimizer's gradients
+    masters_.gradients_to_masters();  // from here on the optimizer's gradients (the model's are released)
     // True gradients from here on (fp16-mixed: divided by the loss scale, inf/NaN recorded).
     precision_.scaler().unscale_(*optimizer_);
     const bool log_now = step_ % config_.log_every == 0 || step_ == config_.steps;
     std::vector<double> gradients;  // the logged figures: the global norm before clipping, then the task's
     if (log_now && is_main_) {
       gradients.push_back(0.0);
-      for (double figure : task_->gradient_figures()) gradients.push_back(figure);
+      for (double figure : task_->gradient_figures(masters_)) gradients.push_back(figure);
     }
     // Clipping computes the global norm anyway: a logged step takes it from there rather than
     // walking every gradient once more (a step of the lm logged every step was 1-3% slower).
@@ -387,7 +385,7 @@ class Trainer {
   const fs::path out_;
   std::unique_ptr<TrainableTask> task_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
-  MasterWeights masters_;
+  qkv::MasterWeights masters_;
   std::vector<torch::Tensor> stepped_parameters_;  // the model's, each taken over by masters_ as its copy
   std::vector<torch::Tensor> parameters_;          // the model's
   const Shard shard_;

@@ -1,15 +1,19 @@
 // Mixed precision for LibTorch's C++ API: qkv::AutocastGuard (LibTorch's autocast state for a
-// scope) and qkv::GradScaler (torch.amp.GradScaler: loss scaling for float16, steps skipped when
-// gradients overflow). pytorch/pytorch#46649: "Amp isn't intended for use with the C++ API yet".
+// scope), qkv::GradScaler (torch.amp.GradScaler: loss scaling for float16, steps skipped when
+// gradients overflow) and qkv::MasterWeights (float32 copies for an optimizer stepping a model held
+// in bfloat16 or float16). pytorch/pytorch#46649: "Amp isn't intended for use with the C++ API yet".
 #pragma once
 
 #include <torch/arg.h>
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <map>
+#include <string>
+#include <vector>
 
 namespace qkv {
 
@@ -107,6 +111,74 @@ class GradScaler {
   int64_t growth_tracker_ = 0;
   bool last_skipped_ = false;
   std::map<const torch::optim::Optimizer*, Record> records_;  // this iteration's, per optimizer
+};
+
+/// float32 master weights for a model held in bfloat16 or float16, as DeepSpeed's and Megatron's
+/// bfloat16 optimizers keep them. LibTorch's optimizers update a parameter in its own dtype, so a
+/// bfloat16 weight keeps only the updates of at least half its spacing: a LayerNorm gain near 1
+/// (spacing 2^-7) never moves under AdamW at a learning rate of 2e-3, and a weight decay that
+/// shrinks each weight by 2e-4 a step changes none. With MasterWeights the optimizer steps on
+/// float32 copies (its state float32 too) and the model takes each step's result, rounded once;
+/// forward and backward stay in the model's dtype:
+///
+///     model->to(torch::kBFloat16);
+///     torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+///     qkv::MasterWeights masters(*model, optimizer);  // before the optimizer's first step
+///     for (auto& batch : batches) {
+///       optimizer.zero_grad();                        // the masters' gradients
+///       compute_loss(model, batch).backward();        // the model's gradients, in bfloat16
+///       masters.gradients_to_masters();               // widened and added to the masters'
+///       torch::nn::utils::clip_grad_norm_(masters.stepped(model->parameters()), 1.0);
+///       optimizer.step();                             // on the float32 masters
+///       masters.masters_to_model();                   // the model takes them, rounded once
+///     }
+///
+/// gradients_to_masters() adds to the masters' gradients and releases the model's, so micro-batches
+/// (a backward and gradients_to_masters() each) accumulate in float32, and no gradient of the model
+/// is left over to be added twice. With a GradScaler (a float16 model), scaler.step(optimizer)
+/// takes the place of optimizer.step(). Parameters already float32 or float64 stay the optimizer's
+/// own; a model with no half-precision parameter makes every call a no-op (active() is false).
+/// The masters are state a checkpoint must carry (save()/load()): rounding them to the model's
+/// dtype loses what they hold.
+class MasterWeights {
+ public:
+  /// A master: the float32 copy the optimizer steps in place of the model's parameter `name`.
+  struct Master {
+    std::string name;
+    torch::Tensor parameter;  // the model's, bfloat16 or float16
+    torch::Tensor master;     // float32, on the parameter's device, in the optimizer
+  };
+
+  /// Replaces each bfloat16 and float16 parameter of `optimizer` (a parameter of `model`) by a float32
+  /// copy of its current value. Throws c10::Error when the optimizer has stepped already (its state
+  /// would be the half-precision one) or steps a half-precision tensor that is not `model`'s.
+  MasterWeights(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+
+  bool active() const { return !masters_.empty(); }
+  /// In the order the optimizer holds them (the same in a resumed run).
+  const std::vector<Master>& masters() const { return masters_; }
+
+  /// The masters take the model's values (after the model was loaded, or broadcast from another rank).
+  void copy_from_model();
+  /// Adds the model's gradients, widened exactly, to the masters' (sets them where the masters have
+  /// none) and releases the model's.
+  void gradients_to_masters();
+  /// Releases the model's gradients of the parameters taken over (a backward that is not to be stepped on).
+  void zero_grad();
+  /// The model's parameters take the masters' values, rounded once.
+  void masters_to_model();
+  /// `parameters` (the model's), each one taken over replaced by its master: what the optimizer
+  /// steps, with the gradients it applies (for clipping them, or their norm), in the given order.
+  std::vector<torch::Tensor> stepped(std::vector<torch::Tensor> parameters) const;
+
+  /// The masters by position ("0", "1", ...: the optimizer's order).
+  void save(torch::serialize::OutputArchive& archive) const;
+  /// Reads what save() wrote. Every master is checked (present, of its shape and float32) before
+  /// any is set, so a failed load changes nothing; the values are copied to the masters' device.
+  void load(torch::serialize::InputArchive& archive);
+
+ private:
+  std::vector<Master> masters_;
 };
 
 }  // namespace qkv

@@ -2,7 +2,6 @@
 #include "tasks/tasks.h"
 #include "tasks/toy_data.h"
 
-#include "master_weights.h"
 #include "run_precision.h"
 
 #include "atomic_file.h"
@@ -90,14 +89,13 @@ std::vector<double> train_reverse(const RunConfig& config, const torch::Device& 
                                .scale(scaled ? c10::nullopt : c10::optional<double>(1.0)));
   model->to(device, config.dtype());
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(config.lr));
-  MasterWeights masters(*model, optimizer);  // --dtype bfloat16: the optimizer steps on float32 copies
+  qkv::MasterWeights masters(*model, optimizer);  // --dtype bfloat16: the optimizer steps on float32 copies
   // --precision: autocast around the forward pass (the loss in float32), fp16-mixed's loss scale.
   RunPrecision precision(config, device);
   std::vector<double> losses;
   for (int64_t step = 1; step <= config.steps; ++step) {
     const auto batch = data->sample(config.batch, step);
     optimizer.zero_grad();
-    masters.zero_grad();
     torch::Tensor output;
     {
       const auto autocast = precision.autocast();

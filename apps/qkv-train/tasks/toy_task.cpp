@@ -91,9 +91,9 @@ class ToyTask : public TrainableTask {
 
   std::vector<std::string> gradient_columns() const override { return {"grad_norm_qk"}; }
 
-  std::vector<double> gradient_figures() override {
+  std::vector<double> gradient_figures(const qkv::MasterWeights& masters) override {
     double sum = 0;
-    for (const auto& p : query_key_parameters_) {
+    for (const auto& p : masters.stepped(query_key_parameters_)) {
       if (p.grad().defined()) sum += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
     }
     return {std::sqrt(sum)};

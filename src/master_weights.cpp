@@ -1,0 +1,100 @@
+// MasterWeights (include/qkv/precision.h): the optimizer of a half-precision model on float32 copies.
+#include <qkv/precision.h>
+
+#include "half_precision.h"
+
+#include <torch/torch.h>
+
+#include <sstream>
+#include <unordered_map>
+
+namespace qkv {
+
+namespace {
+
+std::string shape_and_dtype(const torch::Tensor& t) {
+  std::ostringstream out;
+  out << t.sizes() << " " << t.dtype();
+  return out.str();
+}
+
+}  // namespace
+
+MasterWeights::MasterWeights(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  std::unordered_map<const void*, std::string> names;
+  for (const auto& item : model.named_parameters()) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& parameter : group.params()) {
+      if (!detail::half_precision(parameter.scalar_type())) continue;
+      TORCH_CHECK(optimizer.state().empty(),
+                  "MasterWeights: expected an optimizer that has not stepped yet, got one with state for ",
+                  optimizer.state().size(), " parameters (its state would stay in ", parameter.scalar_type(), ")");
+      const auto name = names.find(parameter.unsafeGetTensorImpl());
+      TORCH_CHECK(name != names.end(), "MasterWeights: expected the optimizer's ", parameter.scalar_type(),
+                  " parameters to be the model's, got one of shape ", parameter.sizes(), " that the model lacks");
+      auto master = parameter.detach().to(torch::kFloat).requires_grad_(true);  // a leaf of its own
+      masters_.push_back({name->second, parameter, master});
+      parameter = master;  // the optimizer's parameter from now on
+    }
+  }
+}
+
+void MasterWeights::copy_from_model() {
+  torch::NoGradGuard no_grad;
+  for (auto& m : masters_) m.master.copy_(m.parameter);
+}
+
+void MasterWeights::gradients_to_masters() {
+  torch::NoGradGuard no_grad;
+  for (auto& m : masters_) {
+    auto& gradient = m.parameter.mutable_grad();
+    if (!gradient.defined()) continue;
+    auto widened = gradient.detach().to(torch::kFloat);  // exact: float32 holds every bfloat16 and float16
+    auto& master_gradient = m.master.mutable_grad();
+    if (master_gradient.defined()) {
+      master_gradient.add_(widened);
+    } else {
+      master_gradient = std::move(widened);
+    }
+    gradient = torch::Tensor();
+  }
+}
+
+void MasterWeights::zero_grad() {
+  for (auto& m : masters_) m.parameter.mutable_grad() = torch::Tensor();
+}
+
+void MasterWeights::masters_to_model() {
+  torch::NoGradGuard no_grad;
+  for (auto& m : masters_) m.parameter.copy_(m.master);
+}
+
+std::vector<torch::Tensor> MasterWeights::stepped(std::vector<torch::Tensor> parameters) const {
+  for (auto& parameter : parameters) {
+    for (const auto& m : masters_) {
+      if (m.parameter.is_same(parameter)) parameter = m.master;
+    }
+  }
+  return parameters;
+}
+
+void MasterWeights::save(torch::serialize::OutputArchive& archive) const {
+  // Keyed by position: a parameter's name, with its dots, is not an archive's attribute name.
+  for (size_t i = 0; i < masters_.size(); ++i) archive.write(std::to_string(i), masters_[i].master);
+}
+
+void MasterWeights::load(torch::serialize::InputArchive& archive) {
+  std::vector<torch::Tensor> read(masters_.size());
+  for (size_t i = 0; i < read.size(); ++i) {
+    const auto& m = masters_[i];
+    TORCH_CHECK(archive.try_read(std::to_string(i), read[i]) && read[i].defined(), "MasterWeights::load: expected ",
+                masters_.size(), " masters, got none for ", m.name, " (position ", i, ")");
+    TORCH_CHECK(read[i].sizes() == m.master.sizes() && read[i].scalar_type() == torch::kFloat,
+                "MasterWeights::load: expected the master of ", m.name, " to be ", shape_and_dtype(m.master), ", got ",
+                shape_and_dtype(read[i]));
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < read.size(); ++i) masters_[i].master.copy_(read[i]);
+}
+
+}  // namespace qkv
