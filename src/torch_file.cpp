@@ -118,7 +118,8 @@ std::vector<char> archive_bytes(torch::serialize::OutputArchive& archive) {
 }
 
 torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& bytes, const std::string& path,
-                                                      const std::function<void(ArchiveObject& root)>& adjust) {
+                                                      const std::function<void(ArchiveObject& root)>& adjust,
+                                                      const c10::optional<torch::Device>& device) {
   TORCH_CHECK(!bytes.empty(), path, " is empty; expected a checkpoint written by LibTorch's OutputArchive");
   std::shared_ptr<ArchiveObject> root;
   {
@@ -135,7 +136,7 @@ torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& b
     torch::serialize::OutputArchive archive;
     write_object(*root, archive);
     const auto rewritten = archive_bytes(archive);
-    result.load_from(rewritten.data(), rewritten.size());
+    result.load_from(rewritten.data(), rewritten.size(), device);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, path, ": LibTorch could not take its objects: ", e.what_without_backtrace());
   } catch (const std::exception& e) {  // TorchScript's ErrorReport

@@ -31,10 +31,12 @@ std::vector<char> archive_bytes(torch::serialize::OutputArchive& archive);
 /// without LibTorch's importer ever compiling the file's own code: the archive checked
 /// (verify_torch_archive), its objects read by qkv (read_archive_pickle), then written again by
 /// LibTorch's OutputArchive, whose class definitions the importer compiles instead. `adjust`, when
-/// given, may change the objects before that (qkv-train: its optimizer's state keys). A damaged or
-/// crafted file is refused with a c10::Error naming `path`.
+/// given, may change the objects before that (qkv-train: its optimizer's state keys). Its tensors
+/// are on `device` (LibTorch's map_location; the CPU when not given). A damaged or crafted file is
+/// refused with a c10::Error naming `path`.
 torch::serialize::InputArchive read_serialize_archive(const std::vector<char>& bytes, const std::string& path,
-                                                      const std::function<void(ArchiveObject& root)>& adjust = {});
+                                                      const std::function<void(ArchiveObject& root)>& adjust = {},
+                                                      const c10::optional<torch::Device>& device = c10::nullopt);
 
 /// `value` (dicts, lists, tensors, numbers, strings) in torch.save's format. Unlike
 /// torch::pickle_save, containers carry no TorchScript type tags

@@ -81,13 +81,17 @@ void use_decimal_state_names(qkv::detail::ArchiveObject& root) {
   }
 }
 
-torch::serialize::InputArchive open_archive(const std::string& dir) {
+// `device`: where the archive's tensors are put. LibTorch's Module::load moves a tensor of the model
+// to the device of the tensor it reads (Tensor::set_data), so a checkpoint is read onto the model's
+// device: without that a model on CUDA ended on the CPU, and was refused as not kept.
+torch::serialize::InputArchive open_archive(const std::string& dir,
+                                            const c10::optional<torch::Device>& device = c10::nullopt) {
   const auto path = (fs::path(dir) / kCheckpointFile).string();
   if (!fs::exists(path)) throw std::runtime_error("--resume: no checkpoint at " + path);
   try {
     // Read by qkv, not by LibTorch's importer, which compiles the file's code (torch_file.h).
     return qkv::detail::read_serialize_archive(qkv::detail::read_file_bytes(path, "--resume"), path,
-                                               use_decimal_state_names);
+                                               use_decimal_state_names, device);
   } catch (const c10::Error& e) {
     throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what_without_backtrace());
   } catch (const std::exception& e) {  // e.g. std::bad_alloc
@@ -197,6 +201,13 @@ void load_masters(torch::serialize::InputArchive& archive, torch::optim::Optimiz
   masters.load(masters_archive);
 }
 
+// Where `model`'s tensors are (qkv-train's models are on one device).
+torch::Device device_of(torch::nn::Module& model) {
+  for (const auto& parameter : model.parameters()) return parameter.device();
+  for (const auto& buffer : model.buffers()) return buffer.device();
+  return torch::kCPU;
+}
+
 CheckpointState read_state(torch::serialize::InputArchive& archive) {
   CheckpointState state;
   torch::Tensor step, initial_loss, last_loss;
@@ -227,7 +238,7 @@ CheckpointState read_checkpoint_state(const std::string& dir) {
 }
 
 CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module& model) {
-  auto archive = open_archive(dir);
+  auto archive = open_archive(dir, device_of(model));
   try {
     torch::serialize::InputArchive model_archive;
     archive.read("model", model_archive);
@@ -243,7 +254,7 @@ CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module&
 
 CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                 qkv::GradScaler& scaler, qkv::MasterWeights* masters) {
-  auto archive = open_archive(dir);
+  auto archive = open_archive(dir, device_of(model));
   try {
     torch::serialize::InputArchive model_archive, optimizer_archive;
     archive.read("model", model_archive);
@@ -259,7 +270,7 @@ CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model
     torch::Tensor rng_state;
     archive.read("cpu_rng_state", rng_state);
     auto generator = at::detail::getDefaultCPUGenerator();  // a handle; the state it sets is shared
-    generator.set_state(rng_state);
+    generator.set_state(rng_state.cpu());  // read onto the model's device with the rest
     return read_state(archive);
   } catch (const c10::Error& e) {
     throw std::runtime_error("--resume: cannot load " + (fs::path(dir) / kCheckpointFile).string() + ": " +
