@@ -37,14 +37,28 @@ MasterWeights::MasterWeights(torch::nn::Module& model, torch::optim::Optimizer& 
       parameter = master;  // the optimizer's parameter from now on
     }
   }
+  record_synced();
+}
+
+// A master's version counter counts its in-place changes (the optimizer's steps among them).
+void MasterWeights::record_synced() {
+  synced_versions_.clear();
+  for (const auto& m : masters_) synced_versions_.push_back(m.master._version());
 }
 
 void MasterWeights::copy_from_model() {
   torch::NoGradGuard no_grad;
   for (auto& m : masters_) m.master.copy_(m.parameter);
+  record_synced();
 }
 
 void MasterWeights::gradients_to_masters() {
+  for (size_t i = 0; i < masters_.size(); ++i) {
+    TORCH_CHECK(masters_[i].master._version() == synced_versions_[i],
+                "MasterWeights::gradients_to_masters: the master of ", masters_[i].name,
+                " changed after the model last took the masters' values; call masters_to_model() after each "
+                "optimizer step (this backward ran on stale weights)");
+  }
   torch::NoGradGuard no_grad;
   for (auto& m : masters_) {
     auto& gradient = m.parameter.mutable_grad();
@@ -67,6 +81,7 @@ void MasterWeights::zero_grad() {
 void MasterWeights::masters_to_model() {
   torch::NoGradGuard no_grad;
   for (auto& m : masters_) m.parameter.copy_(m.master);
+  record_synced();
 }
 
 std::vector<torch::Tensor> MasterWeights::stepped(std::vector<torch::Tensor> parameters) const {
@@ -95,6 +110,7 @@ void MasterWeights::load(torch::serialize::InputArchive& archive) {
   }
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < read.size(); ++i) masters_[i].master.copy_(read[i]);
+  record_synced();  // the model takes them where the caller loads its weights (the same step's)
 }
 
 }  // namespace qkv

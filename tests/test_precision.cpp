@@ -534,7 +534,9 @@ TEST(MasterWeights, TheyLoadBitForBitAndALoadThatDoesNotFitChangesNothing) {
 }
 
 // Where every parameter is float32, MasterWeights is a no-op and the optimizer keeps its own. It
-// takes an optimizer over only before its first step, and only the model's parameters.
+// takes an optimizer over only before its first step, and only the model's parameters; a step the
+// model did not take (no masters_to_model()) is an error at the next gradients_to_masters() where
+// the optimizer's step counts as a change of the masters (Adam's and AdamW's do).
 TEST(MasterWeights, FloatModelsAreLeftAloneAndMisuseIsAnError) {
   torch::nn::Linear float_model(2, 2);
   torch::optim::SGD float_sgd(float_model->parameters(), torch::optim::SGDOptions(0.1));
@@ -552,6 +554,20 @@ TEST(MasterWeights, FloatModelsAreLeftAloneAndMisuseIsAnError) {
   stepped.step();
   EXPECT_THAT([&] { qkv::MasterWeights late(*model, stepped); },
               ::testing::ThrowsMessage<c10::Error>(HasSubstr("expected an optimizer that has not stepped yet")));
+
+  // A step whose result the model never took: the next backward ran on stale weights.
+  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(0.1));
+  qkv::MasterWeights masters(*model, adamw);
+  const auto backward = [&] { model(torch::ones({1, 2}, torch::kBFloat16)).sum().backward(); };
+  backward();
+  masters.gradients_to_masters();
+  adamw.step();
+  backward();
+  EXPECT_THAT([&] { masters.gradients_to_masters(); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("call masters_to_model() after each optimizer step")));
+  masters.masters_to_model();
+  backward();
+  masters.gradients_to_masters();
 
   const auto stranger = torch::zeros({3}, torch::kBFloat16).requires_grad_(true);
   torch::optim::SGD foreign(std::vector<torch::Tensor>{stranger}, torch::optim::SGDOptions(0.1));

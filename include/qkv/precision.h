@@ -161,7 +161,10 @@ class MasterWeights {
   /// The masters take the model's values (after the model was loaded, or broadcast from another rank).
   void copy_from_model();
   /// Adds the model's gradients, widened exactly, to the masters' (sets them where the masters have
-  /// none) and releases the model's.
+  /// none) and releases the model's. Throws c10::Error when a master was changed since the model last
+  /// took the masters' values (a step without masters_to_model(): the backward ran on stale weights),
+  /// as far as its version counter tells: LibTorch's Adam and AdamW count their steps there, its SGD
+  /// (1.13 to 2.14) does not.
   void gradients_to_masters();
   /// Releases the model's gradients of the parameters taken over (a backward that is not to be stepped on).
   void zero_grad();
@@ -178,7 +181,10 @@ class MasterWeights {
   void load(torch::serialize::InputArchive& archive);
 
  private:
+  void record_synced();
+
   std::vector<Master> masters_;
+  std::vector<int64_t> synced_versions_;  // each master's _version() when the model last took its value
 };
 
 }  // namespace qkv
