@@ -5,20 +5,9 @@
 
 #include <torch/torch.h>
 
-#include <sstream>
 #include <unordered_map>
 
 namespace qkv {
-
-namespace {
-
-std::string shape_and_dtype(const torch::Tensor& t) {
-  std::ostringstream out;
-  out << t.sizes() << " " << t.dtype();
-  return out.str();
-}
-
-}  // namespace
 
 MasterWeights::MasterWeights(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   std::unordered_map<const void*, std::string> names;
@@ -74,10 +63,6 @@ void MasterWeights::gradients_to_masters() {
   }
 }
 
-void MasterWeights::zero_grad() {
-  for (auto& m : masters_) m.parameter.mutable_grad() = torch::Tensor();
-}
-
 void MasterWeights::masters_to_model() {
   torch::NoGradGuard no_grad;
   for (auto& m : masters_) m.parameter.copy_(m.master);
@@ -105,8 +90,8 @@ void MasterWeights::load(torch::serialize::InputArchive& archive) {
     TORCH_CHECK(archive.try_read(std::to_string(i), read[i]) && read[i].defined(), "MasterWeights::load: expected ",
                 masters_.size(), " masters, got none for ", m.name, " (position ", i, ")");
     TORCH_CHECK(read[i].sizes() == m.master.sizes() && read[i].scalar_type() == torch::kFloat,
-                "MasterWeights::load: expected the master of ", m.name, " to be ", shape_and_dtype(m.master), ", got ",
-                shape_and_dtype(read[i]));
+                "MasterWeights::load: expected the master of ", m.name, " to be ", m.master.sizes(), " ",
+                m.master.dtype(), ", got ", read[i].sizes(), " ", read[i].dtype());
   }
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < read.size(); ++i) masters_[i].master.copy_(read[i]);

@@ -522,8 +522,8 @@ TEST(MasterWeights, TheyLoadBitForBitAndALoadThatDoesNotFitChangesNothing) {
   const auto before = other_masters.masters()[0].master.clone();
   auto again = through_bytes(out);
   EXPECT_THAT([&] { other_masters.load(again); },
-              ::testing::ThrowsMessage<c10::Error>(
-                  HasSubstr("MasterWeights::load: expected the master of 1.weight to be [5, 3] float, got [2, 3] float")));
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr(
+                  "MasterWeights::load: expected the master of 1.weight to be [5, 3] float, got [2, 3] float")));
   EXPECT_TRUE(torch::equal(other_masters.masters()[0].master, before)) << "0.weight fits, but nothing is set";
 
   torch::serialize::OutputArchive empty;

@@ -193,7 +193,8 @@ void load_masters(torch::serialize::InputArchive& archive, torch::optim::Optimiz
       const auto found = qkv::compat::find_optimizer_state(optimizer.state(), m.master);
       if (found == optimizer.state().end() || found->second == nullptr) continue;
       visit_state_tensors(*found->second, [](const std::string&, const torch::Tensor& tensor) {
-        return tensor.defined() && qkv::detail::half_precision(tensor.scalar_type()) ? tensor.to(torch::kFloat) : tensor;
+        const bool half = tensor.defined() && qkv::detail::half_precision(tensor.scalar_type());
+        return half ? tensor.to(torch::kFloat) : tensor;
       });
     }
     return;

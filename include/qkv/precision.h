@@ -135,9 +135,10 @@ class GradScaler {
 ///
 /// gradients_to_masters() adds to the masters' gradients and releases the model's, so micro-batches
 /// (a backward and gradients_to_masters() each) accumulate in float32, and no gradient of the model
-/// is left over to be added twice. With a GradScaler (a float16 model), scaler.step(optimizer)
-/// takes the place of optimizer.step(). Parameters already float32 or float64 stay the optimizer's
-/// own; a model with no half-precision parameter makes every call a no-op (active() is false).
+/// is left over to be added twice (a backward not to be stepped on: model->zero_grad()). With a
+/// GradScaler (a float16 model), scaler.step(optimizer) takes the place of optimizer.step().
+/// Parameters already float32 or float64 stay the optimizer's own; a model with no half-precision
+/// parameter makes every call a no-op (active() is false).
 /// The masters are state a checkpoint must carry (save()/load()): rounding them to the model's
 /// dtype loses what they hold.
 class MasterWeights {
@@ -166,8 +167,6 @@ class MasterWeights {
   /// as far as its version counter tells: LibTorch's Adam and AdamW count their steps there, its SGD
   /// (1.13 to 2.14) does not.
   void gradients_to_masters();
-  /// Releases the model's gradients of the parameters taken over (a backward that is not to be stepped on).
-  void zero_grad();
   /// The model's parameters take the masters' values, rounded once.
   void masters_to_model();
   /// `parameters` (the model's), each one taken over replaced by its master: what the optimizer

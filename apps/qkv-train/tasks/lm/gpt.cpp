@@ -10,7 +10,8 @@
 namespace qkv_train::lm {
 
 torch::Tensor embed(const torch::Tensor& table, const torch::Tensor& ids) {
-  if (qkv::detail::half_precision(table.scalar_type()) && table.device().is_cpu() && table.requires_grad() && torch::GradMode::is_enabled()) {
+  const bool half_on_cpu = qkv::detail::half_precision(table.scalar_type()) && table.device().is_cpu();
+  if (half_on_cpu && table.requires_grad() && torch::GradMode::is_enabled()) {
     // Gathering float32 copies of half-precision numbers and rounding back is exact; autograd then
     // sums the rows' gradients in float32 and rounds the table's gradient once, on the way back
     // through the widening. Costs a float32 copy of the table per call (small: a character vocabulary).
