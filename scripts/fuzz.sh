@@ -19,7 +19,7 @@ if [[ ! -f "$build/CMakeCache.txt" ]]; then
     -DCMAKE_UNITY_BUILD="${QKV_UNITY_BUILD:-ON}" \
     -DQKV_FUZZ=ON -DQKV_BUILD_TESTS=OFF -DQKV_INSTALL=OFF -DQKV_SANITIZE=address,fuzzer-no-link > /dev/null
 fi
-targets=(${QKV_FUZZ_TARGETS:-fuzz_weights_loader fuzz_checkpoint_loader fuzz_train_options fuzz_backends})
+read -r -a targets <<< "${QKV_FUZZ_TARGETS:-fuzz_weights_loader fuzz_checkpoint_loader fuzz_train_options fuzz_backends}"
 cmake --build "$build" --target "${targets[@]}"
 export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
 declare -A seeds=([fuzz_weights_loader]=weights [fuzz_checkpoint_loader]=checkpoints [fuzz_train_options]=options
@@ -46,7 +46,7 @@ for ((first = 0; first < ${#targets[@]}; first += jobs)); do
   for i in "${!batch[@]}"; do
     target=${batch[$i]}
     if wait "${pids[$i]}"; then
-      grep -E "stat::number_of_executed_units|Done [0-9]+ runs" "$build/$target.log" | tail -2 | sed "s/^/$target: /"
+      grep -E "stat::number_of_executed_units|Done [0-9]+ runs" "$build/$target.log" | tail -2 | sed "s/^/$target: /" || true
     else
       tail -40 "$build/$target.log"
       failed+=("$target")
