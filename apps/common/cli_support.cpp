@@ -3,6 +3,7 @@
 #include <qkv/functional.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +23,22 @@ std::string route_setting_problem() {
     return e.what_without_backtrace();
   }
   return "";
+}
+
+CLI::Validator real_in(double lower, double upper, bool lower_open) {
+  char expected[96], interval[64];
+  std::snprintf(expected, sizeof expected, "a finite number %s %g and <= %g", lower_open ? ">" : ">=", lower, upper);
+  std::snprintf(interval, sizeof interval, "%s%g - %g]", lower_open ? "(" : "[", lower, upper);  // as CLI11's Range
+
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        double value = 0.0;
+        const bool number = CLI::detail::lexical_cast(text, value);
+        const bool inside = number && std::isfinite(value) && (lower_open ? value > lower : value >= lower) &&
+                            value <= upper;
+        return inside ? std::string() : std::string("expected ") + expected + ", got " + text;
+      },
+      std::string("FLOAT in ") + interval);
 }
 
 int usage_error(const std::string& program, const std::string& message) {

@@ -15,6 +15,13 @@ namespace qkv_cli {
 /// 0 after --help, 2 after a bad command line, reported as one line "<program>: error: ... (see --help)".
 std::optional<int> parse(CLI::App& app, int argc, const char* const* argv);
 
+/// The check of a real-valued option: a finite number from `lower` (excluded where `lower_open`) to
+/// `upper`. CLI11's Range and PositiveNumber let nan through (every comparison with it is false),
+/// and print their bounds with all their digits ("0.000000 to 1797693134862315708...").
+/// The error names the option and says what it expected and what came: "--lr: expected a finite
+/// number > 0 and <= 1e+09, got nan".
+CLI::Validator real_in(double lower, double upper, bool lower_open = false);
+
 /// Prints "<program>: error: <message> (see --help)" as one line on stderr and returns 2.
 int usage_error(const std::string& program, const std::string& message);
 

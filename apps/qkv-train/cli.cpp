@@ -126,7 +126,7 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
       ->default_str("by task");
   app.add_option("--lr", config.lr,
                  "Learning rate (the peak of lm's schedule)" + by_task([](auto& d) { return real(d.lr); }))
-      ->check(CLI::PositiveNumber)
+      ->check(qkv_cli::real_in(0.0, 1e9, /*lower_open=*/true))
       ->default_str("by task");
   app.add_option("--optimizer", config.optimizer, "Optimizer of the toy tasks (lm uses AdamW)")
       ->check(CLI::IsMember({"adam", "sgd"}));
@@ -135,7 +135,7 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
       ->check(CLI::Range(0, 1024));
   app.add_flag("--causal", config.causal, "Causal mask: position i attends only to positions <= i");
   app.add_option("--scale", scale, "Multiplier of QKᵀ (1.0 = unscaled, the documents' warning)")
-      ->check(CLI::PositiveNumber)
+      ->check(qkv_cli::real_in(0.0, 1e9, /*lower_open=*/true))
       ->default_str("1/sqrt(d_model/heads)");
   app.add_option("--log-every", config.log_every,
                  "Log line and metrics.csv row every N steps" + by_task([](auto& d) { return integer(d.log_every); }))
@@ -162,15 +162,15 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
       ->check(CLI::ExistingFile)
       ->default_str("/usr/share/dictd/devil.dict.dz");
   app.add_option("--dropout", config.dropout, "lm: dropout on attention weights and residual branches")
-      ->check(CLI::Range(0.0, 0.95))
+      ->check(qkv_cli::real_in(0.0, 0.95))
       ->default_str(by_task([](auto& d) { return d.layers > 0 ? real(d.dropout) : std::string(); }).substr(1));
   app.add_option("--weight-decay", config.weight_decay, "lm: AdamW's weight decay (matrices and embeddings only)")
-      ->check(CLI::Range(0.0, 10.0));
+      ->check(qkv_cli::real_in(0.0, 10.0));
   app.add_option("--warmup-steps", config.warmup_steps, "lm: linear warmup steps before the cosine decay")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
       ->default_str(by_task([](auto& d) { return d.layers > 0 ? integer(d.warmup_steps) : std::string(); }).substr(1));
   app.add_option("--grad-clip", config.grad_clip, "lm: largest global gradient norm (0 = no clipping)")
-      ->check(CLI::Range(0.0, 1e9));
+      ->check(qkv_cli::real_in(0.0, 1e9));
   app.add_flag("--tie-weights", config.tie_weights, "lm: the output layer shares the token embedding's weights");
   app.add_option("--window", window,
                  "lm: sliding-window attention: each position attends to the last W positions only (cost N·W; "
@@ -186,7 +186,7 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   app.add_option("--max-new-tokens", config.max_new_tokens, "lm: characters to generate")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--temperature", config.temperature, "lm: sampling temperature (0 = greedy)")
-      ->check(CLI::Range(0.0, 100.0));
+      ->check(qkv_cli::real_in(0.0, 100.0));
   app.add_option("--top-k", config.top_k, "lm: sample among the k most likely characters only")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
       ->default_str("all");
@@ -202,7 +202,7 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
       ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
   app.add_option("--dist-timeout", config.dist_timeout_s,
                  "Seconds a rank waits for the others (rendezvous, each collective) before it stops with an error")
-      ->check(CLI::Range(0.1, 86400.0));
+      ->check(qkv_cli::real_in(0.1, 86400.0));
   app.add_flag("--save-replicas", config.save_replicas,
                "Distributed runs: every rank writes its final weights to OUT/replica-RANK.pt (to check that the "
                "replicas agree)");
