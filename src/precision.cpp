@@ -89,7 +89,10 @@ AutocastGuard::~AutocastGuard() {
 GradScaler::GradScaler(const GradScalerOptions& options) : options_(options), scale_(options.init_scale()) {
   TORCH_CHECK(options.init_scale() > 0 && std::isfinite(options.init_scale()),
               "GradScaler: expected a positive finite init_scale, got ", options.init_scale());
-  TORCH_CHECK(options.growth_factor() > 1.0, "GradScaler: expected growth_factor > 1, got ", options.growth_factor());
+  // Finite, as load_state_dict requires: an infinite factor makes the scale inf after its first
+  // growth, and every later step is then skipped (inf backs off to inf).
+  TORCH_CHECK(options.growth_factor() > 1.0 && std::isfinite(options.growth_factor()),
+              "GradScaler: expected a finite growth_factor > 1, got ", options.growth_factor());
   TORCH_CHECK(options.backoff_factor() > 0.0 && options.backoff_factor() < 1.0,
               "GradScaler: expected backoff_factor in (0, 1), got ", options.backoff_factor());
   TORCH_CHECK(options.growth_interval() >= 1, "GradScaler: expected growth_interval >= 1, got ",

@@ -21,8 +21,8 @@ void TransformerBlockImpl::reset() {
   TORCH_CHECK(options.mlp_ratio() > 0, "TransformerBlock: expected mlp_ratio > 0, got ", options.mlp_ratio());
   TORCH_CHECK(options.dropout() >= 0.0 && options.dropout() < 1.0, "TransformerBlock: expected dropout in [0, 1), got ",
               options.dropout());
-  TORCH_CHECK(options.layer_norm_eps() > 0.0, "TransformerBlock: expected layer_norm_eps > 0, got ",
-              options.layer_norm_eps());
+  TORCH_CHECK(options.layer_norm_eps() > 0.0 && std::isfinite(options.layer_norm_eps()),
+              "TransformerBlock: expected a finite layer_norm_eps > 0, got ", options.layer_norm_eps());
   const auto hidden = options.mlp_ratio() * E;
   ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({E}).eps(options.layer_norm_eps())));
   attn = register_module("attn", SelfAttention(SelfAttentionOptions(E)

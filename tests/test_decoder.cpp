@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <limits>
 #include <sstream>
 #include <type_traits>
 
@@ -573,6 +574,13 @@ TEST(DecoderOptions, BadOptionsNameTheValues) {
               ThrowsMessage<c10::Error>(HasSubstr("rope_base > 1")));
   EXPECT_THAT([] { qkv::TransformerBlock(qkv::TransformerBlockOptions(16, 4).mlp_ratio(0)); },
               ThrowsMessage<c10::Error>(HasSubstr("mlp_ratio > 0, got 0")));
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_THAT([=] { qkv::TransformerBlock(qkv::TransformerBlockOptions(16, 4).layer_norm_eps(inf)); },
+              ThrowsMessage<c10::Error>(HasSubstr("finite layer_norm_eps > 0, got inf")));
+  EXPECT_THAT([=] { qkv::TransformerBlock(qkv::TransformerBlockOptions(16, 4).layer_norm_eps(nan)); },
+              ThrowsMessage<c10::Error>(HasSubstr("finite layer_norm_eps > 0, got nan")));
+  EXPECT_THAT([=] { qkv::TransformerBlock(qkv::TransformerBlockOptions(16, 4).dropout(nan)); },
+              ThrowsMessage<c10::Error>(HasSubstr("dropout in [0, 1), got nan")));
   EXPECT_THAT(
       [] {
         qkv::SelfAttention cross(qkv::SelfAttentionOptions(16).kdim(8).vdim(8).causal(true));

@@ -360,6 +360,20 @@ TEST(GradScaler, StateRoundTripsAndMisuseIsAnError) {
               ::testing::ThrowsMessage<c10::Error>(HasSubstr("already called for this optimizer")));
   qkv::GradScaler fresh;
   EXPECT_THAT([&] { fresh.update(); }, ::testing::ThrowsMessage<c10::Error>(HasSubstr("no step() or unscale_()")));
+  // Options the constructor refuses: the same bounds as load_state_dict's.
+  const std::vector<std::pair<qkv::GradScalerOptions, std::string>> bad_options = {
+      {qkv::GradScalerOptions().init_scale(0.0), "a positive finite init_scale, got 0"},
+      {qkv::GradScalerOptions().init_scale(INFINITY), "a positive finite init_scale, got inf"},
+      {qkv::GradScalerOptions().growth_factor(1.0), "a finite growth_factor > 1, got 1"},
+      {qkv::GradScalerOptions().growth_factor(INFINITY), "a finite growth_factor > 1, got inf"},
+      {qkv::GradScalerOptions().growth_factor(std::nan("")), "a finite growth_factor > 1, got nan"},
+      {qkv::GradScalerOptions().backoff_factor(std::nan("")), "backoff_factor in (0, 1), got nan"},
+      {qkv::GradScalerOptions().growth_interval(0), "growth_interval >= 1, got 0"}};
+  for (const auto& [options, message] : bad_options) {
+    EXPECT_THAT([&] { qkv::GradScaler refused(options); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr("GradScaler: expected " + message)))
+        << message;
+  }
   // Disabled: a pass-through.
   qkv::GradScaler disabled(qkv::GradScalerOptions().enabled(false));
   const auto loss = p.loss();
