@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include <cstring>
 #include <unordered_map>
 
 namespace qkv {
@@ -29,10 +30,27 @@ MasterWeights::MasterWeights(torch::nn::Module& model, torch::optim::Optimizer& 
   record_synced();
 }
 
-// A master's version counter counts its in-place changes (the optimizer's steps among them).
+// The bits of a CPU master's first and last values. LibTorch's SGD steps through Tensor::data(),
+// whose in-place changes the master's version counter does not see (Adam and AdamW step the
+// parameter itself); a step changes these values unless their gradients are exactly 0. On another
+// device reading them would wait for it, so there the version counter alone decides. Bits, not
+// values: a NaN master equals itself.
+MasterWeights::EndBits MasterWeights::end_bits(const torch::Tensor& master) {
+  if (!master.device().is_cpu() || master.numel() == 0) return {};
+  const float* first = master.data_ptr<float>();
+  int64_t last_offset = 0;
+  for (int64_t d = 0; d < master.dim(); ++d) last_offset += (master.size(d) - 1) * master.stride(d);
+  EndBits bits;
+  std::memcpy(&bits.first, first, sizeof(float));
+  std::memcpy(&bits.last, first + last_offset, sizeof(float));
+  bits.sampled = true;
+  return bits;
+}
+
+// A master's version counter counts its in-place changes (Adam's and AdamW's steps among them).
 void MasterWeights::record_synced() {
-  synced_versions_.clear();
-  for (const auto& m : masters_) synced_versions_.push_back(m.master._version());
+  synced_.clear();
+  for (const auto& m : masters_) synced_.push_back({m.master._version(), end_bits(m.master)});
 }
 
 void MasterWeights::copy_from_model() {
@@ -43,7 +61,10 @@ void MasterWeights::copy_from_model() {
 
 void MasterWeights::gradients_to_masters() {
   for (size_t i = 0; i < masters_.size(); ++i) {
-    TORCH_CHECK(masters_[i].master._version() == synced_versions_[i],
+    const auto now = end_bits(masters_[i].master);
+    const auto& then = synced_[i].ends;
+    const bool values_changed = now.sampled && then.sampled && (now.first != then.first || now.last != then.last);
+    TORCH_CHECK(masters_[i].master._version() == synced_[i].version && !values_changed,
                 "MasterWeights::gradients_to_masters: the master of ", masters_[i].name,
                 " changed after the model last took the masters' values; call masters_to_model() after each "
                 "optimizer step (this backward ran on stale weights)");

@@ -549,8 +549,9 @@ TEST(MasterWeights, TheyLoadBitForBitAndALoadThatDoesNotFitChangesNothing) {
 
 // Where every parameter is float32, MasterWeights is a no-op and the optimizer keeps its own. It
 // takes an optimizer over only before its first step, and only the model's parameters; a step the
-// model did not take (no masters_to_model()) is an error at the next gradients_to_masters() where
-// the optimizer's step counts as a change of the masters (Adam's and AdamW's do).
+// model did not take (no masters_to_model()) is an error at the next gradients_to_masters(): Adam's
+// and AdamW's steps count as changes of the masters' versions, SGD's (through Tensor::data()) do not,
+// and are seen in the CPU masters' values.
 TEST(MasterWeights, FloatModelsAreLeftAloneAndMisuseIsAnError) {
   torch::nn::Linear float_model(2, 2);
   torch::optim::SGD float_sgd(float_model->parameters(), torch::optim::SGDOptions(0.1));
@@ -582,6 +583,29 @@ TEST(MasterWeights, FloatModelsAreLeftAloneAndMisuseIsAnError) {
   masters.masters_to_model();
   backward();
   masters.gradients_to_masters();
+
+  // SGD, with and without momentum: its step leaves the version counters as they were.
+  for (const double momentum : {0.0, 0.9}) {
+    torch::nn::Linear sgd_model(2, 2);
+    sgd_model->to(torch::kBFloat16);
+    torch::optim::SGD sgd(sgd_model->parameters(), torch::optim::SGDOptions(0.1).momentum(momentum));
+    qkv::MasterWeights sgd_masters(*sgd_model, sgd);
+    const auto sgd_backward = [&] { sgd_model(torch::ones({1, 2}, torch::kBFloat16)).sum().backward(); };
+    sgd_backward();
+    sgd_masters.gradients_to_masters();
+    sgd.step();
+    sgd_backward();
+    EXPECT_THAT([&] { sgd_masters.gradients_to_masters(); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr("call masters_to_model() after each optimizer step")))
+        << "momentum " << momentum;
+    sgd_masters.masters_to_model();
+    sgd_backward();
+    sgd_masters.gradients_to_masters();  // the step taken: no error
+    sgd.zero_grad();
+    // A step skipped (no optimizer.step(), as GradScaler skips one) is no error either.
+    sgd_backward();
+    sgd_masters.gradients_to_masters();
+  }
 
   const auto stranger = torch::zeros({3}, torch::kBFloat16).requires_grad_(true);
   torch::optim::SGD foreign(std::vector<torch::Tensor>{stranger}, torch::optim::SGDOptions(0.1));

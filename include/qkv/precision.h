@@ -164,8 +164,9 @@ class MasterWeights {
   /// Adds the model's gradients, widened exactly, to the masters' (sets them where the masters have
   /// none) and releases the model's. Throws c10::Error when a master was changed since the model last
   /// took the masters' values (a step without masters_to_model(): the backward ran on stale weights),
-  /// as far as its version counter tells: LibTorch's Adam and AdamW count their steps there, its SGD
-  /// (1.13 to 2.14) does not.
+  /// as far as its version counter tells (LibTorch's Adam and AdamW count their steps there, its SGD,
+  /// 1.13 to 2.14, does not) and, for masters on the CPU, its first and last values (an SGD step
+  /// changes them unless their gradients are 0).
   void gradients_to_masters();
   /// The model's parameters take the masters' values, rounded once.
   void masters_to_model();
@@ -180,10 +181,21 @@ class MasterWeights {
   void load(torch::serialize::InputArchive& archive);
 
  private:
+  // The bits of a CPU master's first and last values (not sampled on another device: reading them
+  // would wait for it).
+  struct EndBits {
+    uint32_t first = 0, last = 0;
+    bool sampled = false;
+  };
+  static EndBits end_bits(const torch::Tensor& master);
   void record_synced();
 
+  struct Synced {
+    int64_t version;  // the master's _version()
+    EndBits ends;
+  };
   std::vector<Master> masters_;
-  std::vector<int64_t> synced_versions_;  // each master's _version() when the model last took its value
+  std::vector<Synced> synced_;  // each master's when the model last took its value
 };
 
 }  // namespace qkv
