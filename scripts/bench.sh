@@ -17,7 +17,11 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 device=cpu threads=$(nproc) rounds=3 min_time=0.5 filter="" out=bench-results.json malloc_defaults=false emulate=""
 pytorch_sides=()
+source "$root/scripts/bench_env.sh"
 while [[ $# -gt 0 ]]; do
+  case $1 in
+    --device | --threads | --rounds | --min-time | --cases | --pytorch | --out | --emulate) expect_value bench.sh "$1" $# ;;
+  esac
   case $1 in
     --device) device=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
@@ -32,6 +36,11 @@ while [[ $# -gt 0 ]]; do
     *) echo "bench.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+[[ $device == cpu || $device == cuda ]] || { echo "bench.sh: --device takes cpu or cuda, got '$device'" >&2; exit 2; }
+expect_whole bench.sh --threads "$threads" 1 1024
+expect_whole bench.sh --rounds "$rounds" 1 1000
+expect_real bench.sh --min-time "$min_time" 0 3600
+expect_regex bench.sh --cases "$filter"
 [[ ${#pytorch_sides[@]} -gt 0 ]] || pytorch_sides=(host)
 if [[ " ${pytorch_sides[*]} " == *" none "* ]]; then
   [[ ${#pytorch_sides[@]} -eq 1 ]] || { echo "bench.sh: --pytorch none goes alone, got: ${pytorch_sides[*]}" >&2; exit 2; }
@@ -40,7 +49,6 @@ fi
 build_dir=${QKV_BUILD_DIR:-$root/build}
 [[ -n "${QKV_SKIP_BUILD:-}" ]] || "$root/scripts/build.sh" qkv-bench > /dev/null
 bench="$build_dir/apps/qkv-bench"
-source "$root/scripts/bench_env.sh"
 use_fitting_openblas_core "$bench" bench
 # --malloc-defaults: both sides at glibc's own malloc settings (bench_env.sh says why not by default).
 $malloc_defaults || use_same_malloc_setting

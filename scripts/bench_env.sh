@@ -1,6 +1,41 @@
+# shellcheck shell=bash
 # The environment both sides of a qkv-against-PyTorch comparison run in, set the same for each
 # (the chroots included: scripts/test-in-debian.sh passes these variables in). Sourced by
 # scripts/bench.sh and scripts/bench_lm.sh, not run.
+
+# The scripts' option values, checked before anything is built or run: exit status 2 naming the
+# option, what it takes and what came. Unchecked, a bad value failed only in qkv-bench after a case
+# had run, ran on (a negative --min-time), or wrote an empty table over the last results (--rounds 0).
+#   expect_value SCRIPT OPTION REMAINING    the option has a value after it ($# at the option)
+#   expect_whole SCRIPT OPTION VALUE MIN MAX
+#   expect_real SCRIPT OPTION VALUE LOW HIGH [true: LOW included]    a decimal number up to HIGH
+#   expect_regex SCRIPT OPTION VALUE            an extended regular expression grep takes
+expect_value() {
+  [[ $3 -ge 2 ]] && return 0
+  echo "$1: $2 takes a value (see --help)" >&2
+  exit 2
+}
+expect_whole() {
+  [[ $3 =~ ^[0-9]{1,9}$ ]] && ((10#$3 >= $4 && 10#$3 <= $5)) && return 0
+  echo "$1: $2 takes a whole number from $4 to $5, got '$3'" >&2
+  exit 2
+}
+expect_real() {
+  local low_included=${6:-false} lowest="above $4"
+  $low_included && lowest="from $4"
+  [[ $3 =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] &&
+    awk -v v="$3" -v low="$4" -v high="$5" -v closed="$low_included" \
+      'BEGIN { v += 0; exit !((v > low + 0 || (closed == "true" && v == low + 0)) && v <= high + 0) }' && return 0
+  echo "$1: $2 takes a number $lowest up to $5, got '$3'" >&2
+  exit 2
+}
+expect_regex() {
+  local status=0
+  grep -Eq -- "$3" < /dev/null 2> /dev/null || status=$?
+  [[ $status -ne 2 ]] && return 0
+  echo "$1: $2 takes an extended regular expression (grep -E), got '$3'" >&2
+  exit 2
+}
 
 # OpenBLAS may run kernels below the CPU's: Debian 12's takes an Intel Xeon of the Emerald Rapids
 # generation for an old CPU and runs its generic kernels, and an OPENBLAS_CORETYPE in the

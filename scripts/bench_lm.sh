@@ -20,7 +20,13 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 threads=$(nproc) rounds=3 steps=30 pytorch=host dropout=() data=() qkv_sides=() precisions=() emulate="" generation=true
+source "$root/scripts/bench_env.sh"
 while [[ $# -gt 0 ]]; do
+  case $1 in
+    --threads | --rounds | --steps | --qkv | --pytorch | --dropout | --data | --precision | --emulate)
+      expect_value bench_lm.sh "$1" $#
+      ;;
+  esac
   case $1 in
     --threads) threads=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
@@ -36,6 +42,10 @@ while [[ $# -gt 0 ]]; do
     *) echo "bench_lm.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+expect_whole bench_lm.sh --threads "$threads" 1 1024
+expect_whole bench_lm.sh --rounds "$rounds" 1 1000
+expect_whole bench_lm.sh --steps "$steps" 1 1000000
+[[ ${#dropout[@]} -eq 0 ]] || expect_real bench_lm.sh --dropout "${dropout[1]}" 0 0.95 true
 [[ ${#qkv_sides[@]} -gt 0 ]] || qkv_sides=(host)
 [[ ${#precisions[@]} -gt 0 ]] || precisions=(fp32)
 for precision in "${precisions[@]}"; do
@@ -56,7 +66,6 @@ if [[ -z "${QKV_SKIP_BUILD:-}" ]]; then
   done
 fi
 train="$build_dir/apps/qkv-train"
-source "$root/scripts/bench_env.sh"
 use_fitting_openblas_core "$build_dir/apps/qkv-bench" bench_lm
 use_same_malloc_setting  # qkv-train's own setting, given to every process (bench_env.sh)
 [[ -z "$emulate" ]] || emulate_cpu "$emulate" bench_lm
