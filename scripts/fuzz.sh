@@ -8,6 +8,24 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 seconds=${1:-60}
+jobs=${QKV_FUZZ_JOBS:-$(nproc)}
+known_targets="fuzz_weights_loader fuzz_checkpoint_loader fuzz_train_options fuzz_backends"
+read -r -a targets <<< "${QKV_FUZZ_TARGETS:-$known_targets}"
+# Checked before anything is built: libFuzzer takes -max_total_time=abc for 0, no limit at all, and
+# a QKV_FUZZ_JOBS of 0 would never finish a batch.
+if [[ ! $seconds =~ ^[0-9]{1,7}$ ]] || ((10#$seconds < 1)); then
+  echo "fuzz.sh: expected SECONDS_PER_TARGET, a whole number of seconds >= 1, got '$seconds'" >&2
+  exit 2
+fi
+if [[ ! $jobs =~ ^[0-9]{1,4}$ ]] || ((10#$jobs < 1)); then
+  echo "fuzz.sh: expected QKV_FUZZ_JOBS, a whole number >= 1, got '$jobs'" >&2
+  exit 2
+fi
+[[ ${#targets[@]} -gt 0 ]] || { echo "fuzz.sh: QKV_FUZZ_TARGETS names no target (known: $known_targets)" >&2; exit 2; }
+for target in "${targets[@]}"; do
+  [[ " $known_targets " == *" $target "* ]] ||
+    { echo "fuzz.sh: expected targets among $known_targets, got '$target' in QKV_FUZZ_TARGETS" >&2; exit 2; }
+done
 "$root/scripts/setup.sh"
 if ! command -v clang++ > /dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a > /dev/null 2>&1; then
   sudo=(); [[ $(id -u) -ne 0 ]] && sudo=(sudo)
@@ -19,7 +37,6 @@ if [[ ! -f "$build/CMakeCache.txt" ]]; then
     -DCMAKE_UNITY_BUILD="${QKV_UNITY_BUILD:-ON}" \
     -DQKV_FUZZ=ON -DQKV_BUILD_TESTS=OFF -DQKV_INSTALL=OFF -DQKV_SANITIZE=address,fuzzer-no-link > /dev/null
 fi
-read -r -a targets <<< "${QKV_FUZZ_TARGETS:-fuzz_weights_loader fuzz_checkpoint_loader fuzz_train_options fuzz_backends}"
 cmake --build "$build" --target "${targets[@]}"
 export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
 declare -A seeds=([fuzz_weights_loader]=weights [fuzz_checkpoint_loader]=checkpoints [fuzz_train_options]=options
@@ -27,7 +44,6 @@ declare -A seeds=([fuzz_weights_loader]=weights [fuzz_checkpoint_loader]=checkpo
 cd "$build"
 # One target a core at a time (each runs on one thread): the same runs per target as one after
 # another, in less time (CI: three targets on 2 cores, 240 s instead of 360).
-jobs=${QKV_FUZZ_JOBS:-$(nproc)}
 run_target() {
   local target=$1 corpus="$build/corpus-$1"
   mkdir -p "$corpus"
