@@ -29,7 +29,6 @@ CLI::Validator real_in(double lower, double upper, bool lower_open) {
   char expected[96], interval[64];
   std::snprintf(expected, sizeof expected, "a finite number %s %g and <= %g", lower_open ? ">" : ">=", lower, upper);
   std::snprintf(interval, sizeof interval, "%s%g - %g]", lower_open ? "(" : "[", lower, upper);  // as CLI11's Range
-
   return CLI::Validator(
       [=](std::string& text) -> std::string {
         double value = 0.0;
