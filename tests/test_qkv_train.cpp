@@ -362,6 +362,9 @@ TEST(TrainTasks, BadTaskOptionsExitWith2) {
       {"--task lm --grad-clip nan", "--grad-clip: expected a finite number >= 0 and <= 1e+09, got nan"},
       {"--task lm --weight-decay inf", "--weight-decay: expected a finite number >= 0 and <= 10, got inf"},
       {"--task lm --dist-timeout nan", "--dist-timeout: expected a finite number >= 0.1 and <= 86400, got nan"},
+      // Past 2^64 - 1 (CLI11 took every such seed for 2^64 - 1: different seeds, the same run).
+      {"--task reverse --seed 18446744073709551616", "--seed: expected a whole number from -9223372036854775808 to "
+                                                     "18446744073709551615 (as torch.manual_seed), got 18446744073709551616"},
   };
   for (const auto& [arguments, message] : cases) {
     auto run = train(arguments, /*merge_stderr=*/true);
@@ -369,6 +372,18 @@ TEST(TrainTasks, BadTaskOptionsExitWith2) {
     EXPECT_THAT(run.output, HasSubstr(message)) << arguments;
     EXPECT_EQ(std::count(run.output.begin(), run.output.end(), '\n'), 1) << arguments << ": " << run.output;
   }
+}
+
+// A negative seed is the generator's seed 2^64 + seed, as torch.manual_seed(-1) makes it (PyTorch
+// 1.13 and 2.14: torch.initial_seed() is then 18446744073709551615).
+TEST(TrainTasks, ANegativeSeedSeedsAsTorchManualSeed) {
+  auto negative = train("--task reverse --steps 2 --json --quiet --seed -1");
+  auto wrapped = train("--task reverse --steps 2 --json --quiet --seed 18446744073709551615");
+  ASSERT_EQ(negative.exit_code, 0) << negative.output;
+  ASSERT_EQ(wrapped.exit_code, 0) << wrapped.output;
+  const auto a = nlohmann::json::parse(negative.output), b = nlohmann::json::parse(wrapped.output);
+  EXPECT_EQ(a["options"]["seed"].get<uint64_t>(), 18446744073709551615ull);
+  EXPECT_EQ(a["final_loss"].get<double>(), b["final_loss"].get<double>());
 }
 
 // The demo's promise: with their defaults, both tasks learn to attend to the right key.

@@ -13,7 +13,9 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
+#include <system_error>
 
 namespace qkv_train {
 
@@ -57,6 +59,31 @@ std::vector<std::string> unread_flags(const CLI::App& app, const TaskSpec& task)
     if (flag != "--help" && !task.reads(flag)) unread.push_back(flag);
   }
   return unread;
+}
+
+// --seed as torch.manual_seed takes it: a whole number from -2^63 to 2^64 - 1, a negative one
+// standing for 2^64 + seed (what CLI11's conversion to uint64_t makes of it, and what PyTorch 1.13
+// and 2.14 seed their generator with). Unchecked, CLI11's conversion took every larger number for
+// 2^64 - 1, so different seeds gave the same run.
+CLI::Validator torch_seed() {
+  return CLI::Validator(
+      [](const std::string& text) -> std::string {
+        const char *first = text.data(), *last = text.data() + text.size();
+        std::from_chars_result parsed{};
+        if (!text.empty() && text.front() == '-') {
+          int64_t value = 0;
+          parsed = std::from_chars(first, last, value);
+        } else {
+          uint64_t value = 0;
+          parsed = std::from_chars(first, last, value);
+        }
+        if (text.empty() || parsed.ec != std::errc{} || parsed.ptr != last) {
+          return "expected a whole number from -9223372036854775808 to 18446744073709551615 (as torch.manual_seed), "
+                 "got " + text;
+        }
+        return "";
+      },
+      "INT in [-2^63 - 2^64-1]");
 }
 
 std::string joined(const std::vector<std::string>& items) {
@@ -130,7 +157,9 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
       ->default_str("by task");
   app.add_option("--optimizer", config.optimizer, "Optimizer of the toy tasks (lm uses AdamW)")
       ->check(CLI::IsMember({"adam", "sgd"}));
-  app.add_option("--seed", config.seed, "Random seed (42 = the documents' example)");
+  app.add_option("--seed", config.seed,
+                 "Random seed (42 = the documents' example; a negative one as torch.manual_seed takes it)")
+      ->check(torch_seed());
   app.add_option("--threads", config.threads, "CPU threads for LibTorch (0 = its default; lm: every core)")
       ->check(CLI::Range(0, 1024));
   app.add_flag("--causal", config.causal, "Causal mask: position i attends only to positions <= i");
