@@ -355,9 +355,9 @@ TEST(TrainTasks, BadTaskOptionsExitWith2) {
       // Real values: nan, and what float32 cannot hold, are refused saying what was expected (until
       // 2026-12-06 --scale nan and --grad-clip nan were ignored, and --lr nan or 1e39 failed at the
       // optimizer with LibTorch's message and exit status 1).
-      {"--lr nan --task reverse", "--lr: expected a finite number > 0 and <= 1e+09, got nan"},
-      {"--lr 1e39 --task reverse", "--lr: expected a finite number > 0 and <= 1e+09, got 1e39"},
-      {"--scale nan --task reverse", "--scale: expected a finite number > 0 and <= 1e+09, got nan"},
+      {"--lr nan --task reverse", "--lr: expected a finite number > 0 and <= 1e+38, got nan"},
+      {"--lr 1e39 --task reverse", "--lr: expected a finite number > 0 and <= 1e+38, got 1e39"},
+      {"--scale nan --task reverse", "--scale: expected a finite number > 0 and <= 1e+38, got nan"},
       {"--task lm --dropout nan", "--dropout: expected a finite number >= 0 and <= 0.95, got nan"},
       {"--task lm --grad-clip nan", "--grad-clip: expected a finite number >= 0 and <= 1e+09, got nan"},
       {"--task lm --weight-decay inf", "--weight-decay: expected a finite number >= 0 and <= 10, got inf"},

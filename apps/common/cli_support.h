@@ -19,7 +19,7 @@ std::optional<int> parse(CLI::App& app, int argc, const char* const* argv);
 /// `upper`. CLI11's Range and PositiveNumber let nan through (every comparison with it is false),
 /// and print their bounds with all their digits ("0.000000 to 1797693134862315708...").
 /// The error names the option and says what it expected and what came: "--lr: expected a finite
-/// number > 0 and <= 1e+09, got nan".
+/// number > 0 and <= 1e+38, got nan".
 CLI::Validator real_in(double lower, double upper, bool lower_open = false);
 
 /// Prints "<program>: error: <message> (see --help)" as one line on stderr and returns 2.

@@ -153,7 +153,7 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
       ->default_str("by task");
   app.add_option("--lr", config.lr,
                  "Learning rate (the peak of lm's schedule)" + by_task([](auto& d) { return real(d.lr); }))
-      ->check(qkv_cli::real_in(0.0, 1e9, /*lower_open=*/true))
+      ->check(qkv_cli::real_in(0.0, 1e38, /*lower_open=*/true))  // float32 holds it
       ->default_str("by task");
   app.add_option("--optimizer", config.optimizer, "Optimizer of the toy tasks (lm uses AdamW)")
       ->check(CLI::IsMember({"adam", "sgd"}));
@@ -164,7 +164,7 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
       ->check(CLI::Range(0, 1024));
   app.add_flag("--causal", config.causal, "Causal mask: position i attends only to positions <= i");
   app.add_option("--scale", scale, "Multiplier of QKᵀ (1.0 = unscaled, the documents' warning)")
-      ->check(qkv_cli::real_in(0.0, 1e9, /*lower_open=*/true))
+      ->check(qkv_cli::real_in(0.0, 1e38, /*lower_open=*/true))  // float32 holds it
       ->default_str("1/sqrt(d_model/heads)");
   app.add_option("--log-every", config.log_every,
                  "Log line and metrics.csv row every N steps" + by_task([](auto& d) { return integer(d.log_every); }))
