@@ -62,25 +62,28 @@ std::vector<std::string> unread_flags(const CLI::App& app, const TaskSpec& task)
 }
 
 // --seed as torch.manual_seed takes it: a whole number from -2^63 to 2^64 - 1, a negative one
-// standing for 2^64 + seed (what CLI11's conversion to uint64_t makes of it, and what PyTorch 1.13
-// and 2.14 seed their generator with). Unchecked, CLI11's conversion took every larger number for
-// 2^64 - 1, so different seeds gave the same run.
+// standing for 2^64 + seed (what PyTorch 1.13 and 2.14 seed their generator with), written here as
+// that number. CLI11's own conversion to uint64_t took every number past 2^64 - 1 for 2^64 - 1 (so
+// different seeds gave the same run) and, depending on its version, wrapped a negative one or
+// refused it.
 CLI::Validator torch_seed() {
   return CLI::Validator(
-      [](const std::string& text) -> std::string {
+      [](std::string& text) -> std::string {
         const char *first = text.data(), *last = text.data() + text.size();
         std::from_chars_result parsed{};
+        uint64_t seed = 0;
         if (!text.empty() && text.front() == '-') {
-          int64_t value = 0;
-          parsed = std::from_chars(first, last, value);
+          int64_t negative = 0;
+          parsed = std::from_chars(first, last, negative);
+          seed = static_cast<uint64_t>(negative);  // 2^64 + negative
         } else {
-          uint64_t value = 0;
-          parsed = std::from_chars(first, last, value);
+          parsed = std::from_chars(first, last, seed);
         }
         if (text.empty() || parsed.ec != std::errc{} || parsed.ptr != last) {
           return "expected a whole number from -9223372036854775808 to 18446744073709551615 (as torch.manual_seed), "
                  "got " + text;
         }
+        text = std::to_string(seed);
         return "";
       },
       "INT in [-2^63 - 2^64-1]");
@@ -159,7 +162,7 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
       ->check(CLI::IsMember({"adam", "sgd"}));
   app.add_option("--seed", config.seed,
                  "Random seed (42 = the documents' example; a negative one as torch.manual_seed takes it)")
-      ->check(torch_seed());
+      ->transform(torch_seed());
   app.add_option("--threads", config.threads, "CPU threads for LibTorch (0 = its default; lm: every core)")
       ->check(CLI::Range(0, 1024));
   app.add_flag("--causal", config.causal, "Causal mask: position i attends only to positions <= i");
