@@ -9,9 +9,11 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -570,41 +572,33 @@ TEST(MasterWeights, FloatModelsAreLeftAloneAndMisuseIsAnError) {
   EXPECT_THAT([&] { qkv::MasterWeights late(*model, stepped); },
               ::testing::ThrowsMessage<c10::Error>(HasSubstr("expected an optimizer that has not stepped yet")));
 
-  // A step whose result the model never took: the next backward ran on stale weights.
-  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(0.1));
-  qkv::MasterWeights masters(*model, adamw);
-  const auto backward = [&] { model(torch::ones({1, 2}, torch::kBFloat16)).sum().backward(); };
-  backward();
-  masters.gradients_to_masters();
-  adamw.step();
-  backward();
-  EXPECT_THAT([&] { masters.gradients_to_masters(); },
-              ::testing::ThrowsMessage<c10::Error>(HasSubstr("call masters_to_model() after each optimizer step")));
-  masters.masters_to_model();
-  backward();
-  masters.gradients_to_masters();
-
-  // SGD, with and without momentum: its step leaves the version counters as they were.
-  for (const double momentum : {0.0, 0.9}) {
-    torch::nn::Linear sgd_model(2, 2);
-    sgd_model->to(torch::kBFloat16);
-    torch::optim::SGD sgd(sgd_model->parameters(), torch::optim::SGDOptions(0.1).momentum(momentum));
-    qkv::MasterWeights sgd_masters(*sgd_model, sgd);
-    const auto sgd_backward = [&] { sgd_model(torch::ones({1, 2}, torch::kBFloat16)).sum().backward(); };
-    sgd_backward();
-    sgd_masters.gradients_to_masters();
-    sgd.step();
-    sgd_backward();
-    EXPECT_THAT([&] { sgd_masters.gradients_to_masters(); },
+  // A step whose result the model never took: the next backward ran on stale weights. AdamW's step
+  // counts in the masters' version counters, SGD's (with momentum or without) does not.
+  using MakeOptimizer = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
+  const std::vector<std::pair<std::string, MakeOptimizer>> optimizers = {
+      {"AdamW", [](auto p) { return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(0.1)); }},
+      {"SGD", [](auto p) { return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1)); }},
+      {"SGD with momentum",
+       [](auto p) { return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9)); }}};
+  for (const auto& [name, make] : optimizers) {
+    torch::nn::Linear half(2, 2);
+    half->to(torch::kBFloat16);
+    const auto optimizer = make(half->parameters());
+    qkv::MasterWeights masters(*half, *optimizer);
+    const auto backward = [&] { half(torch::ones({1, 2}, torch::kBFloat16)).sum().backward(); };
+    backward();
+    masters.gradients_to_masters();
+    optimizer->step();
+    backward();
+    EXPECT_THAT([&] { masters.gradients_to_masters(); },
                 ::testing::ThrowsMessage<c10::Error>(HasSubstr("call masters_to_model() after each optimizer step")))
-        << "momentum " << momentum;
-    sgd_masters.masters_to_model();
-    sgd_backward();
-    sgd_masters.gradients_to_masters();  // the step taken: no error
-    sgd.zero_grad();
-    // A step skipped (no optimizer.step(), as GradScaler skips one) is no error either.
-    sgd_backward();
-    sgd_masters.gradients_to_masters();
+        << name;
+    masters.masters_to_model();
+    backward();
+    masters.gradients_to_masters();  // the step taken: no error
+    optimizer->zero_grad();
+    backward();  // a step skipped (no optimizer step, as GradScaler skips one): no error either
+    masters.gradients_to_masters();
   }
 
   const auto stranger = torch::zeros({3}, torch::kBFloat16).requires_grad_(true);
