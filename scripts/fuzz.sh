@@ -9,8 +9,10 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 seconds=${1:-60}
 jobs=${QKV_FUZZ_JOBS:-$(nproc)}
-known_targets="fuzz_weights_loader fuzz_checkpoint_loader fuzz_train_options fuzz_backends"
-read -r -a targets <<< "${QKV_FUZZ_TARGETS:-$known_targets}"
+# Each target and the folder of fuzz/corpus/ it starts from.
+declare -A seeds=([fuzz_weights_loader]=weights [fuzz_checkpoint_loader]=checkpoints [fuzz_train_options]=options
+                 [fuzz_backends]=backends)
+read -r -a targets <<< "${QKV_FUZZ_TARGETS:-fuzz_weights_loader fuzz_checkpoint_loader fuzz_train_options fuzz_backends}"
 # Checked before anything is built: libFuzzer takes -max_total_time=abc for 0, no limit at all, and
 # a QKV_FUZZ_JOBS of 0 would never finish a batch.
 if [[ ! $seconds =~ ^[0-9]{1,7}$ ]] || ((10#$seconds < 1)); then
@@ -21,10 +23,10 @@ if [[ ! $jobs =~ ^[0-9]{1,4}$ ]] || ((10#$jobs < 1)); then
   echo "fuzz.sh: expected QKV_FUZZ_JOBS, a whole number >= 1, got '$jobs'" >&2
   exit 2
 fi
-[[ ${#targets[@]} -gt 0 ]] || { echo "fuzz.sh: QKV_FUZZ_TARGETS names no target (known: $known_targets)" >&2; exit 2; }
+[[ ${#targets[@]} -gt 0 ]] || { echo "fuzz.sh: QKV_FUZZ_TARGETS names no target (known: ${!seeds[*]})" >&2; exit 2; }
 for target in "${targets[@]}"; do
-  [[ " $known_targets " == *" $target "* ]] ||
-    { echo "fuzz.sh: expected targets among $known_targets, got '$target' in QKV_FUZZ_TARGETS" >&2; exit 2; }
+  [[ -n "${seeds[$target]+known}" ]] ||
+    { echo "fuzz.sh: expected targets among ${!seeds[*]}, got '$target' in QKV_FUZZ_TARGETS" >&2; exit 2; }
 done
 "$root/scripts/setup.sh"
 if ! command -v clang++ > /dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a > /dev/null 2>&1; then
@@ -39,8 +41,6 @@ if [[ ! -f "$build/CMakeCache.txt" ]]; then
 fi
 cmake --build "$build" --target "${targets[@]}"
 export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
-declare -A seeds=([fuzz_weights_loader]=weights [fuzz_checkpoint_loader]=checkpoints [fuzz_train_options]=options
-                 [fuzz_backends]=backends)
 cd "$build"
 # One target a core at a time (each runs on one thread): the same runs per target as one after
 # another, in less time (CI: three targets on 2 cores, 240 s instead of 360).
