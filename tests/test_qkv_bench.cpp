@@ -46,6 +46,13 @@ TEST(BenchApp, ListsTheCasesOfTheSharedCaseFileAndRefusesBadFlags) {
   auto bad = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --device tpu", true);
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_THAT(bad.output, HasSubstr("--device"));
+  // A filter that matches no case, or is no regex, ran nothing: exit 2, not 0 (Google Benchmark
+  // only prints why).
+  for (const char* filter : {"'^no_such_case$'", "'('"}) {
+    auto none = qkv_test::run_command(std::string(QKV_BENCH_PATH) + " --benchmark_filter=" + filter, true);
+    EXPECT_EQ(none.exit_code, 2) << filter << ": " << none.output;
+    EXPECT_THAT(none.output, HasSubstr("qkv-bench: error: --benchmark_filter matched no case of --device cpu"));
+  }
 }
 
 // --smoke: every case of cases.json, whatever its device, shrunk and run once on the CPU. The GPU

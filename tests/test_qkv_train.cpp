@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <tuple>
@@ -276,8 +277,12 @@ TEST(TrainTasks, IncompatibleResumeIsRefusedNamingTheOption) {
   EXPECT_EQ(missing.exit_code, 2) << missing.output;
   fs::remove(out / "checkpoint.pt");
   auto no_checkpoint = train("--resume " + out.string(), /*merge_stderr=*/true);
-  EXPECT_EQ(no_checkpoint.exit_code, 1) << no_checkpoint.output;
-  EXPECT_THAT(no_checkpoint.output, HasSubstr("no checkpoint at"));
+  EXPECT_EQ(no_checkpoint.exit_code, 2) << no_checkpoint.output;  // a folder without one: a bad argument
+  EXPECT_THAT(no_checkpoint.output, HasSubstr("qkv-train: error: --resume: no checkpoint at"));
+  std::ofstream(out / "checkpoint.pt") << "not an archive";
+  auto damaged = train("--resume " + out.string(), /*merge_stderr=*/true);
+  EXPECT_EQ(damaged.exit_code, 1) << damaged.output;  // one that cannot be read: a runtime failure
+  EXPECT_THAT(damaged.output, HasSubstr("is not a readable checkpoint"));
   fs::remove_all(out);
 }
 
@@ -365,6 +370,9 @@ TEST(TrainTasks, BadTaskOptionsExitWith2) {
       // Past 2^64 - 1 (CLI11 took every such seed for 2^64 - 1: different seeds, the same run).
       {"--task reverse --seed 18446744073709551616", "--seed: expected a whole number from -9223372036854775808 to "
                                                      "18446744073709551615 (as torch.manual_seed), got 18446744073709551616"},
+      // A file where the output folder goes (it stopped the run after the task had loaded its data, exit 1).
+      {"--task reverse --out " + std::string(QKV_TRAIN_PATH),
+       "--out: expected a folder (made when missing), got the file " + std::string(QKV_TRAIN_PATH)},
   };
   for (const auto& [arguments, message] : cases) {
     auto run = train(arguments, /*merge_stderr=*/true);
@@ -642,7 +650,7 @@ TEST(Checkpoints, AStateThatDoesNotFitTheModelOrItsOptimizerIsRefused) {
   const auto load_error = [&](torch::nn::Module& model, torch::optim::Optimizer& optimizer) -> std::string {
     qkv::GradScaler disabled(qkv::GradScalerOptions().enabled(false));
     try {
-      qkv_train::load_checkpoint(dir.string(), model, optimizer, disabled);
+      qkv_train::load_checkpoint(qkv_train::CheckpointFile(dir.string()), model, optimizer, disabled);
     } catch (const std::runtime_error& e) {
       return e.what();
     }
@@ -713,7 +721,7 @@ TEST(MasterWeights, TheyResumeFromACheckpointAndFromOneWrittenBeforeThem) {
     auto model = make();
     torch::optim::Adam resumed_adam(model->parameters(), torch::optim::AdamOptions(1e-3));
     qkv::MasterWeights resumed(*model, resumed_adam);
-    qkv_train::load_checkpoint(dir.string(), *model, resumed_adam, disabled, &resumed);
+    qkv_train::load_checkpoint(qkv_train::CheckpointFile(dir.string()), *model, resumed_adam, disabled, &resumed);
     const auto expected = master_values(adam), actual = master_values(resumed_adam);
     ASSERT_EQ(actual.size(), expected.size());
     for (size_t i = 0; i < actual.size(); ++i) {
@@ -731,7 +739,7 @@ TEST(MasterWeights, TheyResumeFromACheckpointAndFromOneWrittenBeforeThem) {
     auto model = make();
     torch::optim::Adam resumed_adam(model->parameters(), torch::optim::AdamOptions(1e-3));
     qkv::MasterWeights resumed(*model, resumed_adam);
-    qkv_train::load_checkpoint(dir.string(), *model, resumed_adam, disabled, &resumed);
+    qkv_train::load_checkpoint(qkv_train::CheckpointFile(dir.string()), *model, resumed_adam, disabled, &resumed);
     const auto masters = master_values(resumed_adam);
     for (size_t i = 0; i < masters.size(); ++i) {
       EXPECT_TRUE(torch::equal(masters[i], saved->parameters()[i].to(torch::kFloat))) << i;
@@ -745,6 +753,37 @@ TEST(MasterWeights, TheyResumeFromACheckpointAndFromOneWrittenBeforeThem) {
     EXPECT_EQ(model->parameters()[0].scalar_type(), torch::kBFloat16);
   }
   fs::remove_all(dir);
+}
+
+// --resume loads the weights from the bytes whose options the command line was checked against: a
+// checkpoint.pt replaced after the check (by a run still writing to the folder) does not reach the
+// model. (It was read twice, once for the options and once for the weights.)
+TEST(Checkpoints, ResumeLoadsTheCheckpointItCheckedNotOneWrittenSince) {
+  const auto first = fresh_dir("checked_first"), later = fresh_dir("checked_later");
+  ASSERT_EQ(train(kSmallReverse + "--steps 3 --out " + first.string()).exit_code, 0);
+  ASSERT_EQ(train(kSmallReverse + "--steps 3 --seed 7 --out " + later.string()).exit_code, 0);
+  const std::string resume = first.string();
+  const char* argv[] = {"qkv-train", "--resume", resume.c_str(), "--quiet"};
+  qkv_train::RunConfig config;
+  std::optional<qkv_train::CheckpointFile> checkpoint;
+  ASSERT_EQ(qkv_train::parse_command_line(4, argv, config, &checkpoint), -1);
+  ASSERT_TRUE(checkpoint.has_value());
+  // The first run's weights, as a fresh read of its file gives them.
+  auto reference = qkv_train::find_task(config.task).make(config, torch::kCPU);
+  qkv_train::load_checkpoint_model(qkv_train::CheckpointFile(resume), reference->model());
+
+  fs::copy_file(later / "checkpoint.pt", first / "checkpoint.pt", fs::copy_options::overwrite_existing);
+  auto task = qkv_train::find_task(config.task).make(config, torch::kCPU);
+  auto optimizer = task->make_optimizer(config.lr);
+  qkv::GradScaler scaler(qkv::GradScalerOptions().enabled(false));
+  EXPECT_EQ(qkv_train::load_checkpoint(*checkpoint, task->model(), *optimizer, scaler).step, 3);
+  const auto loaded = task->model().parameters(), expected = reference->model().parameters();
+  ASSERT_EQ(loaded.size(), expected.size());
+  for (size_t i = 0; i < loaded.size(); ++i) EXPECT_TRUE(torch::equal(loaded[i], expected[i])) << i;
+  // The file now holds the other run's weights: they differ (else this test could not fail).
+  qkv_train::load_checkpoint_model(qkv_train::CheckpointFile(resume), reference->model());
+  EXPECT_FALSE(torch::equal(reference->model().parameters()[0], loaded[0]));
+  fs::remove_all(first), fs::remove_all(later);
 }
 
 // A checkpoint resumes on every LibTorch qkv builds on, whichever wrote it. LibTorch 1.x names each
@@ -764,11 +803,13 @@ TEST(Checkpoints, ThoseOfLibTorch1And2ResumeWithAStateForEveryParameter) {
     const std::string resume = dir.string();
     const char* argv[] = {"qkv-train", "--resume", resume.c_str(), "--quiet"};
     qkv_train::RunConfig config;
-    ASSERT_EQ(qkv_train::parse_command_line(4, argv, config), -1);
+    std::optional<qkv_train::CheckpointFile> checkpoint;
+    ASSERT_EQ(qkv_train::parse_command_line(4, argv, config, &checkpoint), -1);
+    ASSERT_TRUE(checkpoint.has_value());
     auto task = qkv_train::find_task(config.task).make(config, torch::kCPU);
     auto optimizer = task->make_optimizer(config.lr);
     qkv::GradScaler scaler(qkv::GradScalerOptions().enabled(false));
-    ASSERT_EQ(qkv_train::load_checkpoint(resume, task->model(), *optimizer, scaler).step, 1);
+    ASSERT_EQ(qkv_train::load_checkpoint(*checkpoint, task->model(), *optimizer, scaler).step, 1);
     ASSERT_EQ(optimizer->state().size(), task->model().parameters().size());
     for (const auto& [key, state] : optimizer->state()) {
       ASSERT_NE(state, nullptr);

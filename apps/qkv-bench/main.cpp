@@ -355,7 +355,12 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("blas_core", qkv::blas_core());
   benchmark::AddCustomContext("linear_products", qkv::linear_products());
   if (const auto advice = qkv::blas_core_advice(); !advice.empty()) std::fprintf(stderr, "qkv-bench: %s\n", advice.c_str());
-  benchmark::RunSpecifiedBenchmarks();
+  const size_t ran = benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
+  if (ran == 0) {  // Google Benchmark said why (no match, or a regex it cannot compile) and returned 0
+    std::fprintf(stderr, "qkv-bench: error: --benchmark_filter matched no case of --device %s (--list names them)\n",
+                 device_name.c_str());
+    return 2;
+  }
   return 0;
 }

@@ -81,24 +81,6 @@ void use_decimal_state_names(qkv::detail::ArchiveObject& root) {
   }
 }
 
-// `device`: where the archive's tensors are put. LibTorch's Module::load moves a tensor of the model
-// to the device of the tensor it reads (Tensor::set_data), so a checkpoint is read onto the model's
-// device: without that a model on CUDA ended on the CPU, and was refused as not kept.
-torch::serialize::InputArchive open_archive(const std::string& dir,
-                                            const c10::optional<torch::Device>& device = c10::nullopt) {
-  const auto path = (fs::path(dir) / kCheckpointFile).string();
-  if (!fs::exists(path)) throw std::runtime_error("--resume: no checkpoint at " + path);
-  try {
-    // Read by qkv, not by LibTorch's importer, which compiles the file's code (torch_file.h).
-    return qkv::detail::read_serialize_archive(qkv::detail::read_file_bytes(path, "--resume"), path,
-                                               use_decimal_state_names, device);
-  } catch (const c10::Error& e) {
-    throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what_without_backtrace());
-  } catch (const std::exception& e) {  // e.g. std::bad_alloc
-    throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what());
-  }
-}
-
 // What a tensor must keep when a checkpoint loads into it: its shape, dtype and device.
 struct TensorSlot {
   explicit TensorSlot(const torch::Tensor& t) : sizes(t.sizes().vec()), dtype(t.dtype()), device(t.device()) {}
@@ -228,34 +210,48 @@ CheckpointState read_state(torch::serialize::InputArchive& archive) {
 
 }  // namespace
 
-CheckpointState read_checkpoint_state(const std::string& dir) {
-  auto archive = open_archive(dir);
+CheckpointFile::CheckpointFile(const std::string& dir) : path_((fs::path(dir) / kCheckpointFile).string()) {
+  if (!fs::exists(path_)) throw UsageError("--resume: no checkpoint at " + path_);
+  bytes_ = qkv::detail::read_file_bytes(path_, "--resume");
+  auto whole = archive();
   try {
-    return read_state(archive);
+    state_ = read_state(whole);
   } catch (const std::exception& e) {
-    throw std::runtime_error("--resume: " + (fs::path(dir) / kCheckpointFile).string() +
-                             " is not a qkv-train checkpoint: " + e.what());
+    throw std::runtime_error("--resume: " + path_ + " is not a qkv-train checkpoint: " + e.what());
   }
 }
 
-CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module& model) {
-  auto archive = open_archive(dir, device_of(model));
+// `device`: where the archive's tensors are put. LibTorch's Module::load moves a tensor of the model
+// to the device of the tensor it reads (Tensor::set_data), so a checkpoint is read onto the model's
+// device: without that a model on CUDA ended on the CPU, and was refused as not kept.
+torch::serialize::InputArchive CheckpointFile::archive(const c10::optional<torch::Device>& device) const {
+  try {
+    // Read by qkv, not by LibTorch's importer, which compiles the file's code (torch_file.h).
+    return qkv::detail::read_serialize_archive(bytes_, path_, use_decimal_state_names, device);
+  } catch (const c10::Error& e) {
+    throw std::runtime_error("--resume: " + path_ + " is not a readable checkpoint: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {  // e.g. std::bad_alloc
+    throw std::runtime_error("--resume: " + path_ + " is not a readable checkpoint: " + e.what());
+  }
+}
+
+void load_checkpoint_model(const CheckpointFile& checkpoint, torch::nn::Module& model) {
+  auto archive = checkpoint.archive(device_of(model));
   try {
     torch::serialize::InputArchive model_archive;
     archive.read("model", model_archive);
     const auto slots = slots_of(model);
     model.load(model_archive);
     check_model_kept(slots, model);
-    return read_state(archive);
   } catch (const std::exception& e) {
-    throw std::runtime_error("--resume: cannot load the model of " + (fs::path(dir) / kCheckpointFile).string() +
-                             ": " + e.what());
+    throw std::runtime_error("--resume: cannot load the model of " + checkpoint.path() + ": " + e.what());
   }
 }
 
-CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                qkv::GradScaler& scaler, qkv::MasterWeights* masters) {
-  auto archive = open_archive(dir, device_of(model));
+CheckpointState load_checkpoint(const CheckpointFile& checkpoint, torch::nn::Module& model,
+                                torch::optim::Optimizer& optimizer, qkv::GradScaler& scaler,
+                                qkv::MasterWeights* masters) {
+  auto archive = checkpoint.archive(device_of(model));
   try {
     torch::serialize::InputArchive model_archive, optimizer_archive;
     archive.read("model", model_archive);
@@ -272,12 +268,11 @@ CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model
     archive.read("cpu_rng_state", rng_state);
     auto generator = at::detail::getDefaultCPUGenerator();  // a handle; the state it sets is shared
     generator.set_state(rng_state.cpu());  // read onto the model's device with the rest
-    return read_state(archive);
+    return checkpoint.state();
   } catch (const c10::Error& e) {
-    throw std::runtime_error("--resume: cannot load " + (fs::path(dir) / kCheckpointFile).string() + ": " +
-                             e.what_without_backtrace());
+    throw std::runtime_error("--resume: cannot load " + checkpoint.path() + ": " + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    throw std::runtime_error("--resume: cannot load " + (fs::path(dir) / kCheckpointFile).string() + ": " + e.what());
+    throw std::runtime_error("--resume: cannot load " + checkpoint.path() + ": " + e.what());
   }
 }
 

@@ -4,12 +4,15 @@
 // (src/torch_file.h: its TorchScript code is never compiled), whichever LibTorch wrote it.
 #pragma once
 
+#include "run_config.h"
+
 #include <qkv/precision.h>
 
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
 #include <string>
+#include <vector>
 
 namespace qkv_train {
 
@@ -32,19 +35,39 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
                      const qkv::GradScaler& scaler, const CheckpointState& state,
                      const qkv::MasterWeights* masters = nullptr);
 
-/// Reads only the options and step of DIR/checkpoint.pt (to check a resume before building the model).
-CheckpointState read_checkpoint_state(const std::string& dir);
+/// DIR/checkpoint.pt, read once. --resume checks the command line against these bytes' options and
+/// loads the model from the same bytes, so that a checkpoint replaced in between (by a run still
+/// writing to DIR) cannot give the model one file's weights and the other's options; the file is
+/// read once, not once for each.
+class CheckpointFile {
+ public:
+  /// Reads DIR/checkpoint.pt and its state. Throws UsageError when DIR has no checkpoint.pt, and
+  /// std::runtime_error naming the file when it is not a readable qkv-train checkpoint.
+  explicit CheckpointFile(const std::string& dir);
 
-/// Loads only the model's weights of DIR/checkpoint.pt into `model` (generation from a checkpoint).
-CheckpointState load_checkpoint_model(const std::string& dir, torch::nn::Module& model);
+  const std::string& path() const { return path_; }
+  /// Its step, losses, options and task state.
+  const CheckpointState& state() const { return state_; }
+  /// The archive, its tensors on `device` (the CPU when unset).
+  torch::serialize::InputArchive archive(const c10::optional<torch::Device>& device = c10::nullopt) const;
 
-/// Loads DIR/checkpoint.pt into `model`, `optimizer` and `scaler` (when the checkpoint has a
+ private:
+  std::string path_;
+  std::vector<char> bytes_;
+  CheckpointState state_;
+};
+
+/// Loads only the model's weights of `checkpoint` into `model` (generation from a checkpoint).
+void load_checkpoint_model(const CheckpointFile& checkpoint, torch::nn::Module& model);
+
+/// Loads `checkpoint` into `model`, `optimizer` and `scaler` (when the checkpoint has a
 /// scaler's state and `scaler` is enabled) and `masters` (when active: from the checkpoint, or for
 /// one written before master weights, from its model, the optimizer state widened), and restores
 /// the CPU RNG state. A checkpoint that is damaged, or whose tensors do not fit the model's
 /// parameters or the optimizer's state (shape, dtype, device), is refused with a std::runtime_error
 /// naming the file.
-CheckpointState load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                qkv::GradScaler& scaler, qkv::MasterWeights* masters = nullptr);
+CheckpointState load_checkpoint(const CheckpointFile& checkpoint, torch::nn::Module& model,
+                                torch::optim::Optimizer& optimizer, qkv::GradScaler& scaler,
+                                qkv::MasterWeights* masters = nullptr);
 
 }  // namespace qkv_train

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <filesystem>
+#include <optional>
 #include <system_error>
 
 namespace qkv_train {
@@ -89,6 +91,21 @@ CLI::Validator torch_seed() {
       "INT in [-2^63 - 2^64-1]");
 }
 
+// --out: a folder, made when missing. A file of that name is refused here, as a bad command line,
+// where it used to stop the run after the task had loaded its data.
+CLI::Validator output_folder() {
+  return CLI::Validator(
+      [](const std::string& path) -> std::string {
+        std::error_code error;
+        const auto status = std::filesystem::status(path, error);
+        if (std::filesystem::exists(status) && !std::filesystem::is_directory(status)) {
+          return "expected a folder (made when missing), got the file " + path;
+        }
+        return "";
+      },
+      "DIR");
+}
+
 std::string joined(const std::vector<std::string>& items) {
   std::string text;
   for (const auto& item : items) text += (text.empty() ? "" : " ") + item;
@@ -110,7 +127,8 @@ std::string distributed_option_problem(const RunConfig& config, int world_size) 
   return "";
 }
 
-int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
+int parse_command_line(int argc, const char* const* argv, RunConfig& config,
+                       std::optional<CheckpointFile>* resume_checkpoint) {
   std::string log_level = "info";
   double scale = 0.0;
   int64_t kv_heads = 0;
@@ -177,7 +195,8 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
                  "Evaluate every N steps" + by_task([](auto& d) { return integer(d.eval_every); }))
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->default_str("by task");
-  app.add_option("--out", config.out_dir, "Folder for metrics.csv, summary.json, pictures, checkpoint.pt, model.pt");
+  app.add_option("--out", config.out_dir, "Folder for metrics.csv, summary.json, pictures, checkpoint.pt, model.pt")
+      ->check(output_folder());
   app.add_option("--checkpoint-every", config.checkpoint_every,
                  "Write a checkpoint every N steps (0 = only at the end)")
       ->check(CLI::NonNegativeNumber);
@@ -253,11 +272,15 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
   if (config.quiet && app.count("--log-level") == 0) spdlog::set_level(spdlog::level::warn);
 
   nlohmann::json saved;  // the options of --resume's checkpoint
+  std::optional<CheckpointFile> checkpoint;
   try {
     if (!config.resume_dir.empty()) {
-      saved = read_checkpoint_state(config.resume_dir).options;
+      checkpoint.emplace(config.resume_dir);
+      saved = checkpoint->state().options;
       if (app.count("--task") == 0 && saved.contains("task")) config.task = saved.at("task").get<std::string>();
     }
+  } catch (const UsageError& e) {
+    return usage_error(e.what());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "qkv-train: %s\n", e.what());
     return 1;
@@ -293,6 +316,7 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config) {
                        "in lower precision under autocast; it needs --dtype float32, got --dtype " + config.dtype_name);
   }
   if (const auto problem = task.check(config); !problem.empty()) return usage_error(problem);
+  if (resume_checkpoint != nullptr) *resume_checkpoint = std::move(checkpoint);
   return -1;
 }
 

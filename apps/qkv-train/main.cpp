@@ -98,7 +98,10 @@ int main(int argc, char** argv) {
 
   // 1. The command line and the distributed environment.
   qkv_train::RunConfig config;
-  if (const int exit_code = qkv_train::parse_command_line(argc, argv, config); exit_code >= 0) return exit_code;
+  std::optional<qkv_train::CheckpointFile> resume;  // --resume's, read once (checkpoint.h)
+  if (const int exit_code = qkv_train::parse_command_line(argc, argv, config, &resume); exit_code >= 0) {
+    return exit_code;
+  }
   std::optional<qkv_train::DistributedEnv> env;
   try {
     env = qkv_train::read_distributed_env();
@@ -123,6 +126,7 @@ int main(int argc, char** argv) {
                    "set (torchrun?); use one or the other\n");
       return 2;
     }
+    resume.reset();  // each rank reads it
     try {
       return qkv_train::launch_local_job(config.nproc, qkv_train::arguments_without_nproc(argc, argv),
                                          config.dist_timeout());
@@ -160,7 +164,8 @@ int main(int argc, char** argv) {
     if (const auto advice = qkv::blas_core_advice(); !advice.empty() && device.is_cpu()) spdlog::warn("{}", advice);
     const auto& task = qkv_train::find_task(config.task);
     if (!task.trained() || config.generate) {
-      const auto summary = config.generate ? qkv_train::run_lm_generation(config, device) : task.run(config, device);
+      const auto summary =
+          config.generate ? qkv_train::run_lm_generation(config, device, std::move(resume)) : task.run(config, device);
       if (config.json) std::cout << summary.dump() << std::endl;
       return 0;
     }
@@ -172,7 +177,7 @@ int main(int argc, char** argv) {
                    env->world_size, backend, config.batch / env->world_size, torch::get_num_threads());
     }
     qkv_train::catch_stop_signals();  // only around training: elsewhere Ctrl-C stops at once
-    auto result = qkv_train::train(config, device, parallel.get());
+    auto result = qkv_train::train(config, device, parallel.get(), std::move(resume));
     if (config.json) {
       std::cout << result.summary.dump() << std::endl;
     } else if (!distributed || env->rank == 0) {

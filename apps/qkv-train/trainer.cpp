@@ -79,7 +79,8 @@ double global_grad_norm(const std::vector<torch::Tensor>& parameters) {
 
 class Trainer {
  public:
-  Trainer(const RunConfig& config, const torch::Device& device, DataParallel* parallel)
+  Trainer(const RunConfig& config, const torch::Device& device, DataParallel* parallel,
+          std::optional<CheckpointFile> resume)
       : config_(config),
         device_(device),
         parallel_(parallel),
@@ -92,7 +93,8 @@ class Trainer {
         stepped_parameters_(masters_.stepped(task_->model().parameters())),
         parameters_(task_->model().parameters()),
         shard_(parallel != nullptr ? shard_of(config.batch, parallel->rank(), parallel->world_size())
-                                   : Shard{0, config.batch}) {}
+                                   : Shard{0, config.batch}),
+        resume_(std::move(resume)) {}
 
   TrainingResult run() {
     create_output_folder();
@@ -138,8 +140,9 @@ class Trainer {
       spdlog::info("initial weights from {}", config_.init_weights);
     }
     if (!config_.resume_dir.empty()) {
-      const auto state =
-          load_checkpoint(config_.resume_dir, task_->model(), *optimizer_, precision_.scaler(), &masters_);
+      if (!resume_) resume_.emplace(config_.resume_dir);
+      const auto state = load_checkpoint(*resume_, task_->model(), *optimizer_, precision_.scaler(), &masters_);
+      resume_.reset();  // its bytes are in the model now
       step_ = state.step;
       initial_loss_ = state.initial_loss;
       last_loss_ = state.last_loss;
@@ -389,6 +392,7 @@ class Trainer {
   std::vector<torch::Tensor> stepped_parameters_;  // the model's, each taken over by masters_ as its copy
   std::vector<torch::Tensor> parameters_;          // the model's
   const Shard shard_;
+  std::optional<CheckpointFile> resume_;  // --resume's checkpoint, until start_or_resume loads it
 
   int64_t step_ = 0, first_step_ = 0;
   std::optional<double> initial_loss_;
@@ -401,8 +405,9 @@ class Trainer {
 
 }  // namespace
 
-TrainingResult train(const RunConfig& config, const torch::Device& device, DataParallel* parallel) {
-  return Trainer(config, device, parallel).run();
+TrainingResult train(const RunConfig& config, const torch::Device& device, DataParallel* parallel,
+                     std::optional<CheckpointFile> resume) {
+  return Trainer(config, device, parallel, std::move(resume)).run();
 }
 
 }  // namespace qkv_train

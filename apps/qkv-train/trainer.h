@@ -3,11 +3,13 @@
 // evaluation, metrics.csv, summary.json, pictures, checkpoints and resume, NaN stop, signals.
 #pragma once
 
+#include "checkpoint.h"
 #include "distributed.h"
 #include "run_config.h"
 
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <stdexcept>
 
 namespace qkv_train {
@@ -25,7 +27,9 @@ struct TrainingResult {
 
 /// Trains `config`'s task on `device`. With `parallel`, this process is one data-parallel replica:
 /// it trains on its share of each batch, gradients are averaged over the replicas, and only
-/// rank 0 logs progress and writes into --out.
-TrainingResult train(const RunConfig& config, const torch::Device& device, DataParallel* parallel = nullptr);
+/// rank 0 logs progress and writes into --out. With --resume, training goes on from `resume`, the
+/// checkpoint parse_command_line read (read here when not given); it is released once loaded.
+TrainingResult train(const RunConfig& config, const torch::Device& device, DataParallel* parallel = nullptr,
+                     std::optional<CheckpointFile> resume = std::nullopt);
 
 }  // namespace qkv_train

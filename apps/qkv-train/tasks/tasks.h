@@ -1,6 +1,7 @@
 // Entry points of qkv-train's tasks, for the table in task_registry.cpp.
 #pragma once
 
+#include "checkpoint.h"
 #include "run_config.h"
 #include "trainable_task.h"
 
@@ -8,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <memory>
+#include <optional>
 
 namespace qkv_train {
 
@@ -22,7 +24,9 @@ std::unique_ptr<TrainableTask> make_toy_task(const RunConfig& config, const torc
 
 /// lm: a character-level GPT of qkv::TransformerBlocks on a text.
 std::unique_ptr<TrainableTask> make_lm_task(const RunConfig& config, const torch::Device& device);
-/// lm --generate: text from a trained model (--resume DIR or --init-weights FILE) on stdout.
-nlohmann::json run_lm_generation(const RunConfig& config, const torch::Device& device);
+/// lm --generate: text from a trained model (--resume DIR, `resume` when parse_command_line read
+/// it, or --init-weights FILE) on stdout.
+nlohmann::json run_lm_generation(const RunConfig& config, const torch::Device& device,
+                                 std::optional<CheckpointFile> resume = std::nullopt);
 
 }  // namespace qkv_train
