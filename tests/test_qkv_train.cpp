@@ -341,9 +341,20 @@ TEST(TrainTasks, SigtermWritesACheckpointAndExits143) {
   EXPECT_THAT(run.output, HasSubstr("exit=143"));
   EXPECT_TRUE(fs::exists(out / "checkpoint.pt"));
   EXPECT_TRUE(fs::exists(out / "summary.json"));
-  // The checkpoint resumes.
-  auto resumed = train("--resume " + out.string() + " --steps 1", /*merge_stderr=*/true);
+  // The checkpoint resumes, and trains one step more.
+  std::ifstream summary_file(out / "summary.json");
+  const int64_t stopped_at = nlohmann::json::parse(summary_file)["steps"].get<int64_t>();
+  auto resumed =
+      train("--resume " + out.string() + " --steps " + std::to_string(stopped_at + 1) + " --json", /*merge_stderr=*/true);
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("\"steps\":" + std::to_string(stopped_at + 1)));
+  // Fewer steps than the checkpoint's is refused before anything is rewritten.
+  const auto summary_before = read_file(out / "summary.json");
+  auto fewer = train("--resume " + out.string() + " --steps 1", /*merge_stderr=*/true);
+  EXPECT_EQ(fewer.exit_code, 2) << fewer.output;
+  EXPECT_THAT(fewer.output, HasSubstr("--steps 1: the checkpoint in " + out.string() + " is at step " +
+                                      std::to_string(stopped_at + 1)));
+  EXPECT_EQ(read_file(out / "summary.json"), summary_before);
   fs::remove_all(out);
 }
 

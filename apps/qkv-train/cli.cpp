@@ -306,6 +306,14 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config,
     if (config.out_dir.empty() && !config.generate) config.out_dir = config.resume_dir;
   }
   apply_task_defaults(config);
+  // --steps is the run's total, counted from its start. Below the checkpoint's step nothing would be
+  // trained, and the run's files would be rewritten with a summary whose steps are not --steps.
+  if (checkpoint && !config.generate && config.steps < checkpoint->state().step) {
+    const auto at = std::to_string(checkpoint->state().step);
+    return usage_error("--steps " + std::to_string(config.steps) + ": the checkpoint in " + config.resume_dir +
+                       " is at step " + at + ", and --steps counts from the run's start: give more than " + at +
+                       " to train on from it (" + at + " reports it)");
+  }
   if (config.nproc > 1) {
     if (const auto problem = distributed_option_problem(config, config.nproc); !problem.empty()) {
       return usage_error("--nproc " + std::to_string(config.nproc) + ": " + problem);
