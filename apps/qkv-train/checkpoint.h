@@ -35,10 +35,9 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
                      const qkv::GradScaler& scaler, const CheckpointState& state,
                      const qkv::MasterWeights* masters = nullptr);
 
-/// DIR/checkpoint.pt, read once. --resume checks the command line against these bytes' options and
-/// loads the model from the same bytes, so that a checkpoint replaced in between (by a run still
-/// writing to DIR) cannot give the model one file's weights and the other's options; the file is
-/// read once, not once for each.
+/// DIR/checkpoint.pt, read from disk once. --resume checks the command line against these bytes'
+/// options and loads the model from the same bytes, so that a checkpoint replaced in between (by a
+/// run still writing to DIR) cannot give the model one file's weights and the other's options.
 class CheckpointFile {
  public:
   /// Reads DIR/checkpoint.pt and its state. Throws UsageError when DIR has no checkpoint.pt, and
