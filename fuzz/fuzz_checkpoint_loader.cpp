@@ -84,8 +84,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     const auto dir = resume->dir.string();
     try {
-      const qkv_train::CheckpointFile checkpoint(dir);  // read and its state parsed, as the command line does
-      qkv_train::load_checkpoint(checkpoint, resume->task->model(), *resume->optimizer, resume->scaler,
+      qkv_train::CheckpointFile checkpoint(dir);  // read and its state parsed, as the command line does
+      qkv_train::load_checkpoint(std::move(checkpoint), resume->task->model(), *resume->optimizer, resume->scaler,
                                  resume->masters.get());
     } catch (const std::runtime_error&) {
       // refused with a message: the expected outcome for damaged input

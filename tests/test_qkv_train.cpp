@@ -766,6 +766,35 @@ TEST(MasterWeights, TheyResumeFromACheckpointAndFromOneWrittenBeforeThem) {
   fs::remove_all(dir);
 }
 
+// `qkv-train --resume DIR --quiet` as its command line takes it: the run's options and the checkpoint
+// it read (none when the command line was refused).
+struct ParsedResume {
+  qkv_train::RunConfig config;
+  std::optional<qkv_train::CheckpointFile> checkpoint;
+};
+ParsedResume parse_resume(const std::string& dir) {
+  const char* argv[] = {"qkv-train", "--resume", dir.c_str(), "--quiet"};
+  ParsedResume parsed;
+  if (qkv_train::parse_command_line(4, argv, parsed.config, &parsed.checkpoint) != -1) parsed.checkpoint.reset();
+  return parsed;
+}
+
+// The checkpoint loaded as the trainer loads it, into a fresh task of the run's options and its optimizer.
+struct ResumedTask {
+  std::unique_ptr<qkv_train::TrainableTask> task;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  int64_t step = -1;
+};
+ResumedTask resume_task(ParsedResume& parsed) {
+  ResumedTask resumed;
+  resumed.task = qkv_train::find_task(parsed.config.task).make(parsed.config, torch::kCPU);
+  resumed.optimizer = resumed.task->make_optimizer(parsed.config.lr);
+  qkv::GradScaler scaler(qkv::GradScalerOptions().enabled(false));
+  resumed.step =
+      qkv_train::load_checkpoint(std::move(*parsed.checkpoint), resumed.task->model(), *resumed.optimizer, scaler).step;
+  return resumed;
+}
+
 // --resume loads the weights from the bytes whose options the command line was checked against: a
 // checkpoint.pt replaced after the check (by a run still writing to the folder) does not reach the
 // model. (It was read twice, once for the options and once for the weights.)
@@ -774,21 +803,16 @@ TEST(Checkpoints, ResumeLoadsTheCheckpointItCheckedNotOneWrittenSince) {
   ASSERT_EQ(train(kSmallReverse + "--steps 3 --out " + first.string()).exit_code, 0);
   ASSERT_EQ(train(kSmallReverse + "--steps 3 --seed 7 --out " + later.string()).exit_code, 0);
   const std::string resume = first.string();
-  const char* argv[] = {"qkv-train", "--resume", resume.c_str(), "--quiet"};
-  qkv_train::RunConfig config;
-  std::optional<qkv_train::CheckpointFile> checkpoint;
-  ASSERT_EQ(qkv_train::parse_command_line(4, argv, config, &checkpoint), -1);
-  ASSERT_TRUE(checkpoint.has_value());
+  auto parsed = parse_resume(resume);
+  ASSERT_TRUE(parsed.checkpoint.has_value());
   // The first run's weights, as a fresh read of its file gives them.
-  auto reference = qkv_train::find_task(config.task).make(config, torch::kCPU);
+  auto reference = qkv_train::find_task(parsed.config.task).make(parsed.config, torch::kCPU);
   qkv_train::load_checkpoint_model(qkv_train::CheckpointFile(resume), reference->model());
 
   fs::copy_file(later / "checkpoint.pt", first / "checkpoint.pt", fs::copy_options::overwrite_existing);
-  auto task = qkv_train::find_task(config.task).make(config, torch::kCPU);
-  auto optimizer = task->make_optimizer(config.lr);
-  qkv::GradScaler scaler(qkv::GradScalerOptions().enabled(false));
-  EXPECT_EQ(qkv_train::load_checkpoint(*checkpoint, task->model(), *optimizer, scaler).step, 3);
-  const auto loaded = task->model().parameters(), expected = reference->model().parameters();
+  const auto resumed = resume_task(parsed);
+  EXPECT_EQ(resumed.step, 3);
+  const auto loaded = resumed.task->model().parameters(), expected = reference->model().parameters();
   ASSERT_EQ(loaded.size(), expected.size());
   for (size_t i = 0; i < loaded.size(); ++i) EXPECT_TRUE(torch::equal(loaded[i], expected[i])) << i;
   // The file now holds the other run's weights: they differ (else this test could not fail).
@@ -812,16 +836,12 @@ TEST(Checkpoints, ThoseOfLibTorch1And2ResumeWithAStateForEveryParameter) {
     // step from zero moments, exp_avg = (1 - β1) g and exp_avg_sq = (1 - β2) g², so the two agree
     // elementwise only if they were saved for the same gradient.
     const std::string resume = dir.string();
-    const char* argv[] = {"qkv-train", "--resume", resume.c_str(), "--quiet"};
-    qkv_train::RunConfig config;
-    std::optional<qkv_train::CheckpointFile> checkpoint;
-    ASSERT_EQ(qkv_train::parse_command_line(4, argv, config, &checkpoint), -1);
-    ASSERT_TRUE(checkpoint.has_value());
-    auto task = qkv_train::find_task(config.task).make(config, torch::kCPU);
-    auto optimizer = task->make_optimizer(config.lr);
-    qkv::GradScaler scaler(qkv::GradScalerOptions().enabled(false));
-    ASSERT_EQ(qkv_train::load_checkpoint(*checkpoint, task->model(), *optimizer, scaler).step, 1);
-    ASSERT_EQ(optimizer->state().size(), task->model().parameters().size());
+    auto parsed = parse_resume(resume);
+    ASSERT_TRUE(parsed.checkpoint.has_value());
+    const auto resumed = resume_task(parsed);
+    ASSERT_EQ(resumed.step, 1);
+    const auto& optimizer = resumed.optimizer;
+    ASSERT_EQ(optimizer->state().size(), resumed.task->model().parameters().size());
     for (const auto& [key, state] : optimizer->state()) {
       ASSERT_NE(state, nullptr);
       const auto& adam = dynamic_cast<const torch::optim::AdamParamState&>(*state);

@@ -208,35 +208,43 @@ CheckpointState read_state(torch::serialize::InputArchive& archive) {
   return state;
 }
 
+// The archive of `bytes`, its tensors on `device`. LibTorch's Module::load moves a tensor of the
+// model to the device of the tensor it reads (Tensor::set_data), so a checkpoint is read onto the
+// model's device: without that a model on CUDA ended on the CPU, and was refused as not kept.
+torch::serialize::InputArchive open_archive(const std::vector<char>& bytes, const std::string& path,
+                                            const torch::Device& device) {
+  try {
+    // Read by qkv, not by LibTorch's importer, which compiles the file's code (torch_file.h).
+    return qkv::detail::read_serialize_archive(bytes, path, use_decimal_state_names, device);
+  } catch (const c10::Error& e) {
+    throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {  // e.g. std::bad_alloc
+    throw std::runtime_error("--resume: " + path + " is not a readable checkpoint: " + e.what());
+  }
+}
+
 }  // namespace
 
 CheckpointFile::CheckpointFile(const std::string& dir) : path_((fs::path(dir) / kCheckpointFile).string()) {
   if (!fs::exists(path_)) throw UsageError("--resume: no checkpoint at " + path_);
   bytes_ = qkv::detail::read_file_bytes(path_, "--resume");
-  auto whole = archive();
+  cpu_archive_.emplace(open_archive(bytes_, path_, torch::kCPU));
   try {
-    state_ = read_state(whole);
+    state_ = read_state(*cpu_archive_);
   } catch (const std::exception& e) {
     throw std::runtime_error("--resume: " + path_ + " is not a qkv-train checkpoint: " + e.what());
   }
 }
 
-// `device`: where the archive's tensors are put. LibTorch's Module::load moves a tensor of the model
-// to the device of the tensor it reads (Tensor::set_data), so a checkpoint is read onto the model's
-// device: without that a model on CUDA ended on the CPU, and was refused as not kept.
-torch::serialize::InputArchive CheckpointFile::archive(const c10::optional<torch::Device>& device) const {
-  try {
-    // Read by qkv, not by LibTorch's importer, which compiles the file's code (torch_file.h).
-    return qkv::detail::read_serialize_archive(bytes_, path_, use_decimal_state_names, device);
-  } catch (const c10::Error& e) {
-    throw std::runtime_error("--resume: " + path_ + " is not a readable checkpoint: " + e.what_without_backtrace());
-  } catch (const std::exception& e) {  // e.g. std::bad_alloc
-    throw std::runtime_error("--resume: " + path_ + " is not a readable checkpoint: " + e.what());
-  }
+torch::serialize::InputArchive CheckpointFile::take_archive(const torch::Device& device) {
+  if (!cpu_archive_) throw std::logic_error("--resume: " + path_ + " was loaded once already");
+  auto cpu = std::move(*cpu_archive_);
+  cpu_archive_.reset();
+  return device.is_cpu() ? std::move(cpu) : open_archive(bytes_, path_, device);
 }
 
-void load_checkpoint_model(const CheckpointFile& checkpoint, torch::nn::Module& model) {
-  auto archive = checkpoint.archive(device_of(model));
+void load_checkpoint_model(CheckpointFile checkpoint, torch::nn::Module& model) {
+  auto archive = checkpoint.take_archive(device_of(model));
   try {
     torch::serialize::InputArchive model_archive;
     archive.read("model", model_archive);
@@ -248,10 +256,10 @@ void load_checkpoint_model(const CheckpointFile& checkpoint, torch::nn::Module& 
   }
 }
 
-CheckpointState load_checkpoint(const CheckpointFile& checkpoint, torch::nn::Module& model,
+CheckpointState load_checkpoint(CheckpointFile checkpoint, torch::nn::Module& model,
                                 torch::optim::Optimizer& optimizer, qkv::GradScaler& scaler,
                                 qkv::MasterWeights* masters) {
-  auto archive = checkpoint.archive(device_of(model));
+  auto archive = checkpoint.take_archive(device_of(model));
   try {
     torch::serialize::InputArchive model_archive, optimizer_archive;
     archive.read("model", model_archive);

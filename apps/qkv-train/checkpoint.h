@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,9 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
 
 /// DIR/checkpoint.pt, read from disk once. --resume checks the command line against these bytes'
 /// options and loads the model from the same bytes, so that a checkpoint replaced in between (by a
-/// run still writing to DIR) cannot give the model one file's weights and the other's options.
+/// run still writing to DIR) cannot give the model one file's weights and the other's options. The
+/// archive opened to read the state is the one a model on the CPU loads from; a model on another
+/// device takes one opened again from the bytes, its tensors there. A load consumes the file.
 class CheckpointFile {
  public:
   /// Reads DIR/checkpoint.pt and its state. Throws UsageError when DIR has no checkpoint.pt, and
@@ -47,17 +50,18 @@ class CheckpointFile {
   const std::string& path() const { return path_; }
   /// Its step, losses, options and task state.
   const CheckpointState& state() const { return state_; }
-  /// The archive, its tensors on `device` (the CPU when unset).
-  torch::serialize::InputArchive archive(const c10::optional<torch::Device>& device = c10::nullopt) const;
+  /// The archive, its tensors on `device`; once.
+  torch::serialize::InputArchive take_archive(const torch::Device& device);
 
  private:
   std::string path_;
   std::vector<char> bytes_;
+  std::optional<torch::serialize::InputArchive> cpu_archive_;  // until taken
   CheckpointState state_;
 };
 
 /// Loads only the model's weights of `checkpoint` into `model` (generation from a checkpoint).
-void load_checkpoint_model(const CheckpointFile& checkpoint, torch::nn::Module& model);
+void load_checkpoint_model(CheckpointFile checkpoint, torch::nn::Module& model);
 
 /// Loads `checkpoint` into `model`, `optimizer` and `scaler` (when the checkpoint has a
 /// scaler's state and `scaler` is enabled) and `masters` (when active: from the checkpoint, or for
@@ -65,7 +69,7 @@ void load_checkpoint_model(const CheckpointFile& checkpoint, torch::nn::Module& 
 /// the CPU RNG state. A checkpoint that is damaged, or whose tensors do not fit the model's
 /// parameters or the optimizer's state (shape, dtype, device), is refused with a std::runtime_error
 /// naming the file.
-CheckpointState load_checkpoint(const CheckpointFile& checkpoint, torch::nn::Module& model,
+CheckpointState load_checkpoint(CheckpointFile checkpoint, torch::nn::Module& model,
                                 torch::optim::Optimizer& optimizer, qkv::GradScaler& scaler,
                                 qkv::MasterWeights* masters = nullptr);
 

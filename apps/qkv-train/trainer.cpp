@@ -141,8 +141,9 @@ class Trainer {
     }
     if (!config_.resume_dir.empty()) {
       if (!resume_) resume_.emplace(config_.resume_dir);
-      const auto state = load_checkpoint(*resume_, task_->model(), *optimizer_, precision_.scaler(), &masters_);
-      resume_.reset();  // its bytes are in the model now
+      // Consumed: its bytes go with the load.
+      const auto state =
+          load_checkpoint(std::move(*resume_), task_->model(), *optimizer_, precision_.scaler(), &masters_);
       step_ = state.step;
       initial_loss_ = state.initial_loss;
       last_loss_ = state.last_loss;
@@ -392,7 +393,7 @@ class Trainer {
   std::vector<torch::Tensor> stepped_parameters_;  // the model's, each taken over by masters_ as its copy
   std::vector<torch::Tensor> parameters_;          // the model's
   const Shard shard_;
-  std::optional<CheckpointFile> resume_;  // --resume's checkpoint, until start_or_resume loads it
+  std::optional<CheckpointFile> resume_;  // --resume's checkpoint, until start_or_resume loads (consumes) it
 
   int64_t step_ = 0, first_step_ = 0;
   std::optional<double> initial_loss_;

@@ -130,7 +130,7 @@ void take_metadata(TrainedModel& trained, const nlohmann::json& metadata, const 
 // --resume DIR: weights, options and vocabulary all from DIR/checkpoint.pt (one file written at
 // once, so they belong together; the options are already in `config`, see cli.cpp). A checkpoint
 // of an older qkv-train has no vocabulary in it: then DIR/vocab.json gives it.
-TrainedModel from_checkpoint(const RunConfig& config, const CheckpointFile& checkpoint, const torch::Device& device) {
+TrainedModel from_checkpoint(const RunConfig& config, CheckpointFile checkpoint, const torch::Device& device) {
   TrainedModel trained;
   const auto& state = checkpoint.state();
   if (state.task_state.contains("vocabulary")) {
@@ -140,8 +140,8 @@ TrainedModel from_checkpoint(const RunConfig& config, const CheckpointFile& chec
     take_metadata(trained, read_json(vocab, "--generate --resume"), vocab.string());
   }
   trained.model = make_model(config, trained.tokenizer->size(), device);
-  load_checkpoint_model(checkpoint, *trained.model);
   trained.weights = checkpoint.path();
+  load_checkpoint_model(std::move(checkpoint), *trained.model);
   return trained;
 }
 
@@ -164,8 +164,8 @@ TrainedModel from_weights_file(RunConfig config, const torch::Device& device) {
 nlohmann::json run_lm_generation(const RunConfig& config, const torch::Device& device,
                                  std::optional<CheckpointFile> resume) {
   if (!config.resume_dir.empty() && !resume) resume.emplace(config.resume_dir);
-  auto trained = resume ? lm::from_checkpoint(config, *resume, device) : lm::from_weights_file(config, device);
-  resume.reset();  // its bytes are in the model now
+  auto trained =
+      resume ? lm::from_checkpoint(config, std::move(*resume), device) : lm::from_weights_file(config, device);
   const auto prompt_text = config.prompt.empty() ? trained.default_prompt : config.prompt;
   torch::Tensor prompt;
   try {
