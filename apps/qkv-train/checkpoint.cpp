@@ -228,7 +228,7 @@ torch::serialize::InputArchive open_archive(const std::vector<char>& bytes, cons
 CheckpointFile::CheckpointFile(const std::string& dir) : path_((fs::path(dir) / kCheckpointFile).string()) {
   if (!fs::exists(path_)) throw UsageError("--resume: no checkpoint at " + path_);
   bytes_ = qkv::detail::read_file_bytes(path_, "--resume");
-  cpu_archive_.emplace(open_archive(bytes_, path_, torch::kCPU));
+  cpu_archive_ = std::make_unique<torch::serialize::InputArchive>(open_archive(bytes_, path_, torch::kCPU));
   try {
     state_ = read_state(*cpu_archive_);
   } catch (const std::exception& e) {
@@ -238,9 +238,8 @@ CheckpointFile::CheckpointFile(const std::string& dir) : path_((fs::path(dir) / 
 
 torch::serialize::InputArchive CheckpointFile::take_archive(const torch::Device& device) {
   if (!cpu_archive_) throw std::logic_error("--resume: " + path_ + " was loaded once already");
-  auto cpu = std::move(*cpu_archive_);
-  cpu_archive_.reset();
-  return device.is_cpu() ? std::move(cpu) : open_archive(bytes_, path_, device);
+  const auto cpu = std::move(cpu_archive_);
+  return device.is_cpu() ? std::move(*cpu) : open_archive(bytes_, path_, device);
 }
 
 void load_checkpoint_model(CheckpointFile checkpoint, torch::nn::Module& model) {

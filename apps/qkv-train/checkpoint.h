@@ -11,7 +11,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
-#include <optional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -56,7 +56,9 @@ class CheckpointFile {
  private:
   std::string path_;
   std::vector<char> bytes_;
-  std::optional<torch::serialize::InputArchive> cpu_archive_;  // until taken
+  // Until taken. Not a std::optional: InputArchive's deleted copy from a non-const reference makes
+  // clang refuse std::optional's defaulted copy.
+  std::unique_ptr<torch::serialize::InputArchive> cpu_archive_;
   CheckpointState state_;
 };
 
