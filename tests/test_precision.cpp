@@ -204,11 +204,11 @@ TEST(AutocastGuard, CudaSelfAttentionForwardAndGradientsAreCloseToFloat32) {
 }
 
 // A tiny model and an SGD optimizer for the scaler's tests, on the CPU or a CUDA device.
-struct Problem {
+struct ScalerProblem {
   torch::Device device;
   torch::nn::Linear model{4, 3};
   std::unique_ptr<torch::optim::SGD> optimizer;
-  explicit Problem(torch::Device on = torch::kCPU) : device(on) {
+  explicit ScalerProblem(torch::Device on = torch::kCPU) : device(on) {
     torch::manual_seed(5);
     model = torch::nn::Linear(4, 3);
     model->to(device);
@@ -231,7 +231,7 @@ torch::serialize::InputArchive through_bytes(torch::serialize::OutputArchive& ar
 // gradient's verdict counts), skips the step and halves the scale; the next good step's unscaled
 // gradients are the true ones.
 TEST(GradScaler, AStepWithAnInfOrNanGradientIsSkippedAndTheScaleHalves) {
-  Problem p;
+  ScalerProblem p;
   qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(1024.0));
   const std::vector<std::pair<std::string, std::function<void()>>> injections{
       {"inf in weight", [&] { p.model->weight.mutable_grad()[0][0] = std::numeric_limits<float>::infinity(); }},
@@ -264,7 +264,7 @@ TEST(GradScaler, AStepWithAnInfOrNanGradientIsSkippedAndTheScaleHalves) {
 // step's unscaled gradients are the true ones.
 TEST(GradScaler, OnCudaAnInfOrNanGradientIsSkippedAndTheScaleHalves) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "CUDA not available";
-  Problem p(torch::kCUDA);
+  ScalerProblem p(torch::kCUDA);
   qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(1024.0));
   for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     const auto before = p.model->weight.detach().clone();
@@ -291,7 +291,7 @@ TEST(GradScaler, OnCudaAnInfOrNanGradientIsSkippedAndTheScaleHalves) {
 }
 
 TEST(GradScaler, TheScaleGrowsAfterGrowthIntervalGoodSteps) {
-  Problem p;
+  ScalerProblem p;
   qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(8.0).growth_interval(3));
   for (int step = 1; step <= 7; ++step) {
     p.optimizer->zero_grad();
@@ -306,7 +306,7 @@ TEST(GradScaler, TheScaleGrowsAfterGrowthIntervalGoodSteps) {
 
 // unscale_ then clip_grad_norm_ gives the gradients that clipping the unscaled ones gives.
 TEST(GradScaler, UnscaleThenClipEqualsClippingTheTrueGradients) {
-  Problem scaled, plain;
+  ScalerProblem scaled, plain;
   qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(4096.0));
   scaled.optimizer->zero_grad();
   scaler.scale(scaled.loss()).backward();
@@ -323,7 +323,7 @@ TEST(GradScaler, UnscaleThenClipEqualsClippingTheTrueGradients) {
 }
 
 TEST(GradScaler, StateRoundTripsAndMisuseIsAnError) {
-  Problem p;
+  ScalerProblem p;
   qkv::GradScaler scaler(qkv::GradScalerOptions().init_scale(256.0).growth_interval(5));
   p.optimizer->zero_grad();
   scaler.scale(p.loss()).backward();
