@@ -286,6 +286,47 @@ TEST(TrainTasks, IncompatibleResumeIsRefusedNamingTheOption) {
   fs::remove_all(out);
 }
 
+// A resume with --steps at the checkpoint's step trains nothing and reports the finished run. Its
+// summary gives the pace metrics.csv recorded at that step, by the run that trained it, not this
+// process's 0 tokens/s (until 2026-12-06 the report replaced the run's figures with zeros), and
+// leaves metrics.csv's rows as they were. A damaged cell there is no figure: the pace is then 0.
+TEST(TrainTasks, AResumeThatTrainsNoStepReportsTheRecordedPace) {
+  const auto out = fresh_dir("report_only");
+  ASSERT_EQ(train(kSmallReverse + "--steps 20 --log-every 10 --out " + out.string()).exit_code, 0);
+  const auto rows = read_csv(out / "metrics.csv");
+  const auto tokens_per_s = column_by_step(rows, "tokens_per_s"), elapsed_s = column_by_step(rows, "elapsed_s");
+  ASSERT_EQ(tokens_per_s.count(20), 1u);
+  ASSERT_GT(tokens_per_s.at(20), 0.0);
+
+  auto report = train("--resume " + out.string() + " --steps 20 --quiet --json");
+  ASSERT_EQ(report.exit_code, 0) << report.output;
+  const auto summary = nlohmann::json::parse(report.output);
+  EXPECT_EQ(summary["steps"], 20);
+  EXPECT_EQ(summary["tokens_per_s"].get<double>(), tokens_per_s.at(20));
+  EXPECT_EQ(summary["wall_time_s"].get<double>(), elapsed_s.at(20));
+  EXPECT_DOUBLE_EQ(summary["steps_per_s"].get<double>(), tokens_per_s.at(20) / (8.0 * 6.0));  // B * N tokens a step
+  EXPECT_EQ(summary["pace_recorded_at_step"], 20);
+  EXPECT_EQ(read_csv(out / "metrics.csv"), rows);
+
+  // The step's tokens/s cell damaged: no recorded pace, and the report still completes.
+  auto damaged = rows;
+  const auto column = std::find(rows[0].begin(), rows[0].end(), "tokens_per_s") - rows[0].begin();
+  damaged.back()[static_cast<size_t>(column)] = "fast";
+  {
+    std::ofstream metrics(out / "metrics.csv", std::ios::trunc);
+    for (const auto& row : damaged) {
+      for (size_t i = 0; i < row.size(); ++i) metrics << (i ? "," : "") << row[i];
+      metrics << "\n";
+    }
+  }
+  auto again = train("--resume " + out.string() + " --steps 20 --quiet --json");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  const auto plain = nlohmann::json::parse(again.output);
+  EXPECT_EQ(plain["tokens_per_s"].get<double>(), 0.0);
+  EXPECT_FALSE(plain.contains("pace_recorded_at_step"));
+  fs::remove_all(out);
+}
+
 TEST(TrainTasks, DivergingLossStopsWithStepAndHint) {
   auto run = train(kSmallReverse + "--optimizer sgd --lr 1e12 --steps 50", /*merge_stderr=*/true);
   EXPECT_EQ(run.exit_code, 1) << run.output;

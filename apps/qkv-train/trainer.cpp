@@ -23,6 +23,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -37,8 +38,17 @@ std::vector<std::pair<double, double>> MetricsHistory::series(const std::string&
   const auto at = std::find(columns.begin(), columns.end(), column);
   if (at == columns.end()) return points;
   const auto index = static_cast<size_t>(at - columns.begin());
+  // A cell that is not a number (a resumed run's metrics.csv edited or damaged) is no point.
+  const auto number = [](const std::string& cell) -> std::optional<double> {
+    char* end = nullptr;
+    const double value = std::strtod(cell.c_str(), &end);
+    if (cell.empty() || end != cell.c_str() + cell.size()) return std::nullopt;
+    return value;
+  };
   for (const auto& row : rows) {
-    if (index < row.size() && !row[index].empty()) points.emplace_back(std::stod(row[0]), std::stod(row[index]));
+    if (index >= row.size()) continue;
+    const auto step = number(row[0]), value = number(row[index]);
+    if (step && value) points.emplace_back(*step, *value);
   }
   return points;
 }
@@ -329,9 +339,16 @@ class Trainer {
     }
     if (!is_main_) return {nlohmann::json::object(), exit_code};  // the replicas are identical to rank 0's
 
-    // The training's pace, before the final evaluation adds its own time.
-    const double wall_time = progress.elapsed_seconds(), steps_per_s = progress.steps_per_second();
-    const double tokens_per_s = progress.tokens_per_second();
+    // The training's pace, before the final evaluation adds its own time. A resume that trains no
+    // step (--steps at the checkpoint's: it reports the finished run) has no pace of its own; it
+    // reports the one metrics.csv recorded at that step, by the process that trained it.
+    double wall_time = progress.elapsed_seconds(), steps_per_s = progress.steps_per_second();
+    double tokens_per_s = progress.tokens_per_second();
+    const auto recorded = step_ == first_step_ ? recorded_pace() : std::nullopt;
+    if (recorded) {
+      tokens_per_s = recorded->first, wall_time = recorded->second;
+      steps_per_s = tokens_per_s / static_cast<double>(task_->tokens_per_step());
+    }
     const auto figures = evaluation(nullptr);  // the last step's, when it was an evaluation step
     nlohmann::json evaluation = nlohmann::json::object();
     const auto keys = task_->evaluation_keys();
@@ -361,6 +378,7 @@ class Trainer {
         {"tokens_per_s", tokens_per_s},
         {"peak_rss_mb", peak_resident_megabytes()},
     };
+    if (recorded) summary["pace_recorded_at_step"] = step_;  // in metrics.csv, by an earlier run
     summary.update(task_->summary_extras());
     if (exit_code != 0) summary["stopped_by_signal"] = exit_code - 128;
     if (parallel_ != nullptr) {
@@ -379,6 +397,19 @@ class Trainer {
       qkv::detail::write_file_atomically((out_ / "summary.json").string(), summary.dump(2) + "\n");
     }
     return {summary, exit_code};
+  }
+
+  // The tokens/s and elapsed seconds metrics.csv holds for this step, when a process trained it.
+  std::optional<std::pair<double, double>> recorded_pace() const {
+    std::optional<double> tokens_per_s, elapsed_s;
+    for (const auto& [step, value] : history_.series("tokens_per_s")) {
+      if (static_cast<int64_t>(step) == step_ && value > 0) tokens_per_s = value;
+    }
+    for (const auto& [step, value] : history_.series("elapsed_s")) {
+      if (static_cast<int64_t>(step) == step_ && value > 0) elapsed_s = value;
+    }
+    if (!tokens_per_s || !elapsed_s) return std::nullopt;
+    return std::make_pair(*tokens_per_s, *elapsed_s);
   }
 
   const RunConfig& config_;
