@@ -289,7 +289,9 @@ TEST(TrainTasks, IncompatibleResumeIsRefusedNamingTheOption) {
 // A resume with --steps at the checkpoint's step trains nothing and reports the finished run. Its
 // summary gives the pace metrics.csv recorded at that step, by the run that trained it, not this
 // process's 0 tokens/s (until 2026-12-06 the report replaced the run's figures with zeros), and
-// leaves metrics.csv's rows as they were. A damaged cell there is no figure: the pace is then 0.
+// leaves metrics.csv's rows as they were. A damaged cell there is no figure: the pace is then 0,
+// and the loss curve leaves the step out (a loss cell that did not start with a number ended the
+// report with std::stod's invalid_argument, exit 1).
 TEST(TrainTasks, AResumeThatTrainsNoStepReportsTheRecordedPace) {
   const auto out = fresh_dir("report_only");
   ASSERT_EQ(train(kSmallReverse + "--steps 20 --log-every 10 --out " + out.string()).exit_code, 0);
@@ -308,10 +310,14 @@ TEST(TrainTasks, AResumeThatTrainsNoStepReportsTheRecordedPace) {
   EXPECT_EQ(summary["pace_recorded_at_step"], 20);
   EXPECT_EQ(read_csv(out / "metrics.csv"), rows);
 
-  // The step's tokens/s cell damaged: no recorded pace, and the report still completes.
+  // The step's tokens/s cell and step 10's loss damaged: no recorded pace, and the report completes.
   auto damaged = rows;
-  const auto column = std::find(rows[0].begin(), rows[0].end(), "tokens_per_s") - rows[0].begin();
-  damaged.back()[static_cast<size_t>(column)] = "fast";
+  const auto column = [&](const std::string& name) {
+    return static_cast<size_t>(std::find(rows[0].begin(), rows[0].end(), name) - rows[0].begin());
+  };
+  ASSERT_EQ(damaged[2][0], "10");
+  damaged[2][column("loss")] = "lost";
+  damaged.back()[column("tokens_per_s")] = "fast";
   {
     std::ofstream metrics(out / "metrics.csv", std::ios::trunc);
     for (const auto& row : damaged) {
