@@ -4,7 +4,9 @@
 # cores (QKV_FUZZ_JOBS=N to choose).
 #   scripts/fuzz.sh [SECONDS_PER_TARGET]     (default 60)
 #   QKV_FUZZ_TARGETS="fuzz_backends" scripts/fuzz.sh 120    only the targets named
-# A crash stops the script and leaves the input as build-fuzz/crash-*: make it a regression test.
+# A crash stops the script and leaves the input as build-fuzz/crash-*: make it a regression test
+# (in fuzz/corpus/<target's folder> or tests/data/fuzz_regressions*/, the suites' ctest
+# fuzz_replay.* run it through the target again, built with GCC: fuzz/replay_main.cpp).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 seconds=${1:-60}
