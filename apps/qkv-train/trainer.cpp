@@ -401,13 +401,13 @@ class Trainer {
 
   // The tokens/s and elapsed seconds metrics.csv holds for this step, when a process trained it.
   std::optional<std::pair<double, double>> recorded_pace() const {
-    std::optional<double> tokens_per_s, elapsed_s;
-    for (const auto& [step, value] : history_.series("tokens_per_s")) {
-      if (static_cast<int64_t>(step) == step_ && value > 0) tokens_per_s = value;
-    }
-    for (const auto& [step, value] : history_.series("elapsed_s")) {
-      if (static_cast<int64_t>(step) == step_ && value > 0) elapsed_s = value;
-    }
+    const auto at_this_step = [this](const char* column) -> std::optional<double> {
+      for (const auto& [step, value] : history_.series(column)) {
+        if (static_cast<int64_t>(step) == step_ && value > 0) return value;
+      }
+      return std::nullopt;
+    };
+    const auto tokens_per_s = at_this_step("tokens_per_s"), elapsed_s = at_this_step("elapsed_s");
     if (!tokens_per_s || !elapsed_s) return std::nullopt;
     return std::make_pair(*tokens_per_s, *elapsed_s);
   }
