@@ -123,7 +123,8 @@ void check_product(const ProductKind& kind, int64_t m, int64_t n, int64_t k, boo
 
 TEST(PackedProducts, MatchFloat64OnEveryRunnableInstructionSet) {
   std::mt19937 random(7);
-  const std::vector<int64_t> sizes_m = {1, 5, 8, 13, 64}, sizes_n = {1, 15, 16, 17, 33, 64, 100},
+  // n = 33, 48, 80, 100: a last panel of 16 columns or fewer after whole ones, packed narrow.
+  const std::vector<int64_t> sizes_m = {1, 5, 8, 13, 64}, sizes_n = {1, 15, 16, 17, 33, 48, 64, 80, 100},
                              sizes_k = {1, 2, 7, 32, 64, 257};
   for (const auto& kind : runnable_kinds()) {
     SCOPED_TRACE(describe(kind));
@@ -139,7 +140,7 @@ TEST(PackedProducts, MatchFloat64OnEveryRunnableInstructionSet) {
         }
       }
     }
-    EXPECT_EQ(cases, 5 * 7 * 6);
+    EXPECT_EQ(cases, 5 * 9 * 6);
   }
 }
 
@@ -152,7 +153,10 @@ TEST(PackedProducts, LeadingPartsOfAPackedOperandMatchFloat64) {
     SCOPED_TRACE(describe(kind));
     for (const int64_t m : {5, 64}) {
       for (const auto& [k, extra_k] : std::vector<std::pair<int64_t, int64_t>>{{1, 3}, {7, 1}, {31, 33}, {64, 192}}) {
-        for (const auto& [n, extra_n] : std::vector<std::pair<int64_t, int64_t>>{{1, 40}, {17, 15}, {33, 31}, {8, 0}}) {
+        // Packed n = 48 and 80 end in a narrow panel (packed_products.h): parts that stop short of
+        // it ({20, 28}, {33, 47}) and parts that reach into it ({40, 8}, {70, 10}).
+        for (const auto& [n, extra_n] : std::vector<std::pair<int64_t, int64_t>>{
+                 {1, 40}, {17, 15}, {33, 31}, {8, 0}, {20, 28}, {40, 8}, {33, 47}, {70, 10}}) {
           const bool b_transposed = (k + n) % 2 == 0;
           check_product<float>(kind, m, n, k, m == 5, b_transposed, 1.0f, 0.0f, random, extra_k, extra_n);
           check_product<c10::BFloat16>(kind, m, n, k, m != 5, b_transposed, 0.5f, 1.0f, random, extra_k, extra_n);
@@ -161,7 +165,35 @@ TEST(PackedProducts, LeadingPartsOfAPackedOperandMatchFloat64) {
       }
     }
   }
-  EXPECT_GE(cases, 2 * 4 * 4);
+  EXPECT_GE(cases, 2 * 4 * 8);
+}
+
+// Where 32-column panels would end in one of 16 columns or fewer, that last one is packed 16 wide
+// for the narrow tiles (on AVX-512's paths; AVX2's and the portable panels are 16 wide anyway,
+// AMX's bfloat16 ones one tile wide): the products then skip the zero columns.
+TEST(PackedProducts, ALastPanelOfSixteenColumnsOrFewerIsPackedNarrow) {
+  int wide_kinds = 0;
+  for (const auto& kind : runnable_kinds()) {
+    SCOPED_TRACE(describe(kind));
+    PackedRight packed;
+    std::vector<float> b(64 * 100, 1.0f);
+    packed.pack(Strided<float>{b.data(), 100, 1}, 64, 100, kind);
+    if (packed.panel_width() != 32) {
+      EXPECT_EQ(packed.wide_columns() % packed.panel_width(), 0);
+      EXPECT_GE(packed.wide_columns(), 100);
+      continue;
+    }
+    ++wide_kinds;
+    // n: the columns in 32-wide panels: a narrow last panel where 1 to 16 columns are left over
+    for (const auto& [n, wide] : std::vector<std::pair<int64_t, int64_t>>{
+             {100, 96}, {80, 64}, {48, 32}, {33, 32}, {96, 96}, {81, 96}, {17, 32}, {32, 32}, {256, 256}}) {
+      packed.pack(Strided<float>{b.data(), n, 1}, 64, n, kind);
+      EXPECT_EQ(packed.wide_columns(), wide) << "n = " << n;
+    }
+  }
+  if (qkv::kernels::tiled::at_least(detected_isa(), ProductIsa::Avx512)) {
+    EXPECT_GE(wide_kinds, 1);
+  }
 }
 
 // Packed panels start on a cache line whatever size they are packed to (and re-packed to, as the

@@ -213,19 +213,30 @@ void tile_of(int rows, Args... args) {
   }
 }
 
-// C = alpha · A · B + beta · C, panel by panel (a panel stays in L1 while every row of A meets it).
-// `depth` is the panel's rows: k for float32, the pairs for bfloat16; `steps` of them are used.
-template <template <int> class Tile, int MR, typename a_t, typename b_t>
+// C = alpha · A · B + beta · C, panel by panel (a panel stays in L1 while every row of A meets it):
+// Tile over the panels of the first `wide_columns` columns, TailTile over the narrower last panel
+// past them, if n reaches it (PackedRight::wide_columns). `depth` is the panel's rows: k for
+// float32, the pairs for bfloat16; `steps` of them are used.
+template <template <int> class Tile, int MR, template <int> class TailTile, int TailMR, typename a_t, typename b_t>
 void drive(const a_t* a, int64_t ars, int64_t acs, int64_t m, const b_t* panels, int64_t depth, int64_t steps,
-           int64_t values_per_step, int64_t n, float alpha, float beta, float* c, int64_t ldc) {
+           int64_t values_per_step, int64_t n, int64_t wide_columns, float alpha, float beta, float* c, int64_t ldc) {
   constexpr int64_t NR = Tile<1>::NR;
-  for (int64_t j0 = 0; j0 < n; j0 += NR) {
-    const b_t* panel = panels + (j0 / NR) * depth * values_per_step * NR;
-    const int64_t cols = std::min<int64_t>(NR, n - j0);
+  const int64_t wide_end = std::min(n, wide_columns);
+  for (int64_t j0 = 0; j0 < wide_end; j0 += NR) {
+    const b_t* panel = panels + j0 * depth * values_per_step;
+    const int64_t cols = std::min<int64_t>(NR, wide_end - j0);
     for (int64_t i0 = 0; i0 < m; i0 += MR) {
       const int rows = static_cast<int>(std::min<int64_t>(MR, m - i0));
       tile_of<Tile, MR>(rows, steps, a + i0 * ars, ars, acs, panel, cols, alpha, beta, c + i0 * ldc + j0, ldc);
     }
+  }
+  if (n <= wide_columns) return;
+  const b_t* panel = panels + wide_columns * depth * values_per_step;
+  const int64_t cols = n - wide_columns;  // at most TailTile's width (PackedRight::lay_out)
+  for (int64_t i0 = 0; i0 < m; i0 += TailMR) {
+    const int rows = static_cast<int>(std::min<int64_t>(TailMR, m - i0));
+    tile_of<TailTile, TailMR>(rows, steps, a + i0 * ars, ars, acs, panel, cols, alpha, beta,
+                              c + i0 * ldc + wide_columns, ldc);
   }
 }
 
@@ -238,17 +249,20 @@ void multiply_float(const float* a, int64_t ars, int64_t acs, int64_t m, const P
     case ProductIsa::Avx512Bf16:
     case ProductIsa::AmxBf16:
       if (b.panel_width() == 16) {
-        drive<Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, alpha, beta, c, ldc);
+        drive<Avx512NarrowTile, 12, Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(),
+                                                          alpha, beta, c, ldc);
       } else {
-        drive<Avx512Tile, 8>(a, ars, acs, m, b.f32(), depth, k, 1, n, alpha, beta, c, ldc);
+        drive<Avx512Tile, 8, Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha,
+                                                   beta, c, ldc);
       }
       return;
     case ProductIsa::Avx2:
-      drive<Avx2Tile, 6>(a, ars, acs, m, b.f32(), depth, k, 1, n, alpha, beta, c, ldc);
+      drive<Avx2Tile, 6, Avx2Tile, 6>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc);
       return;
 #endif
     default:
-      drive<PortableTile, 4>(a, ars, acs, m, b.f32(), depth, k, 1, n, alpha, beta, c, ldc);
+      drive<PortableTile, 4, PortableTile, 4>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c,
+                                              ldc);
   }
 }
 
@@ -358,11 +372,13 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
     const int64_t depth = b.pair_depth(), pairs = (k + 1) / 2;
     const Pairs a_pairs = pairs_of(a, m, k, scratch);
     if (b.panel_width() == 16) {
-      drive<Avx512Bf16NarrowTile, 12>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), depth, pairs,
-                                      2, n, alpha, beta, c, ldc);
+      drive<Avx512Bf16NarrowTile, 12, Avx512Bf16NarrowTile, 12>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride,
+                                                                m, b.bf16(), depth, pairs, 2, n, b.wide_columns(),
+                                                                alpha, beta, c, ldc);
     } else {
-      drive<Avx512Bf16Tile, 8>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), depth, pairs, 2, n,
-                               alpha, beta, c, ldc);
+      drive<Avx512Bf16Tile, 8, Avx512Bf16NarrowTile, 12>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m,
+                                                         b.bf16(), depth, pairs, 2, n, b.wide_columns(), alpha, beta,
+                                                         c, ldc);
     }
     return;
 #endif
@@ -398,14 +414,14 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
               "tiled kernel: bfloat16 products need AVX512_BF16 or AMX-BF16, asked of ", isa_name(kind.isa));
   TORCH_CHECK(at_least(detected_isa(), kind.isa), "tiled kernel: ", isa_name(kind.isa),
               " products asked of a CPU with ", isa_name(detected_isa()));
-  kind_ = kind, k_ = k, n_ = n, panel_ = columns_per_panel(kind, n);
+  kind_ = kind, k_ = k, n_ = n;
   const auto at = [&](int64_t p, int64_t j) { return b.data[p * b.row_stride + j * b.col_stride]; };
   if (kind.bf16) {
-    const int64_t panels = (n + panel_ - 1) / panel_, pairs = (k + 1) / 2;
+    const int64_t pairs = (k + 1) / 2;
     depth_ = kind.isa == ProductIsa::AmxBf16
                  ? (pairs + amx::kPairsPerTile - 1) / amx::kPairsPerTile * amx::kPairsPerTile
                  : pairs;
-    bf16_.assign(static_cast<size_t>(panels * depth_ * 2 * panel_), 0);
+    bf16_.assign(static_cast<size_t>(lay_out(n, kind, depth_ * 2, true)), 0);
     int64_t first_column = 0;
 #if defined(QKV_X86_64)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -416,8 +432,8 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
       }
       if (b.col_stride == 1 && panel_ == 32) {  // B's rows lie contiguous: whole panels, two rows at a time
         const auto* values = reinterpret_cast<const uint16_t*>(b.data);
-        for (; first_column + panel_ <= n; first_column += panel_) {
-          uint16_t* panel = bf16_.data() + (first_column / panel_) * depth_ * 2 * panel_;
+        for (; first_column + panel_ <= std::min(n, wide_columns_); first_column += panel_) {
+          uint16_t* panel = bf16_.data() + first_column * depth_ * 2;
           for (int64_t p = 0; p + 2 <= k; p += 2) {
             interleave_rows(values + p * b.row_stride + first_column, values + (p + 1) * b.row_stride + first_column,
                             panel + (p / 2) * 2 * panel_);
@@ -432,55 +448,65 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
     }
 #endif
     for (int64_t j = first_column; j < n; ++j) {
-      uint16_t* column = bf16_.data() + (j / panel_) * depth_ * 2 * panel_ + (j % panel_) * 2;
+      const int64_t j0 = j < wide_columns_ ? j / panel_ * panel_ : wide_columns_, width = width_at(j0);
+      uint16_t* column = bf16_.data() + j0 * depth_ * 2 + (j - j0) * 2;
       int64_t p = 0;
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (b.row_stride == 1) {  // B = Xᵀ of a bfloat16 X: a pair of B's rows is two neighbours in X's row
           const c10::BFloat16* row = b.data + j * b.col_stride;
-          for (; p + 2 <= k; p += 2) std::memcpy(column + (p / 2) * 2 * panel_, row + p, 2 * sizeof(uint16_t));
+          for (; p + 2 <= k; p += 2) std::memcpy(column + (p / 2) * 2 * width, row + p, 2 * sizeof(uint16_t));
         }
       }
-      for (; p < k; ++p) column[(p / 2) * 2 * panel_ + (p % 2)] = bf16_bits(at(p, j));
+      for (; p < k; ++p) column[(p / 2) * 2 * width + (p % 2)] = bf16_bits(at(p, j));
     }
     return;
   }
-  const int64_t panels = (n + panel_ - 1) / panel_;
   depth_ = 0;
-  f32_.resize(static_cast<size_t>(panels * k * panel_));
-  for (int64_t jp = 0; jp < panels; ++jp) {
-    float* panel = f32_.data() + jp * k * panel_;
-    const int64_t j0 = jp * panel_, cols = std::min(panel_, n - j0);
+  f32_.resize(static_cast<size_t>(lay_out(n, kind, k, true)));
+  for (int64_t j0 = 0, width = width_at(0); j0 < n; j0 += width, width = width_at(j0)) {
+    float* panel = f32_.data() + j0 * k;
+    const int64_t cols = std::min(width, n - j0);
     if (b.row_stride == 1 && b.col_stride != 1) {
       // B = Xᵀ: X's cols × k block, transposed in 16 × 16 or 8 × 8 squares (vector_math.h), bfloat16
       // widened on the way. Value by value through the runtime strides, packing took 9.3% of the lm
       // attention's float32 samples and 4.7% of its bfloat16 ones (perf, AMD EPYC Zen 5).
-      if (cols < panel_) std::fill(panel, panel + k * panel_, 0.0f);
-      transpose(bits_of(b.data + j0 * b.col_stride), b.col_stride, cols, k, panel, panel_);
+      if (cols < width) std::fill(panel, panel + k * width, 0.0f);
+      transpose(bits_of(b.data + j0 * b.col_stride), b.col_stride, cols, k, panel, width);
     } else if (b.col_stride == 1) {  // B's rows lie contiguous: whole rows at a time
       for (int64_t p = 0; p < k; ++p) {
-        float* out = panel + p * panel_;
+        float* out = panel + p * width;
         copy_as_float(b.data + p * b.row_stride + j0, cols, out);
-        std::fill(out + cols, out + panel_, 0.0f);
+        std::fill(out + cols, out + width, 0.0f);
       }
     } else {
       for (int64_t p = 0; p < k; ++p) {
-        float* out = panel + p * panel_;
+        float* out = panel + p * width;
         for (int64_t j = 0; j < cols; ++j) out[j] = as_float(at(p, j0 + j));
-        std::fill(out + cols, out + panel_, 0.0f);
+        std::fill(out + cols, out + width, 0.0f);
       }
     }
   }
+}
+
+int64_t PackedRight::lay_out(int64_t n, ProductKind kind, int64_t values_per_column, bool narrow_tail) {
+  panel_ = columns_per_panel(kind, n);
+  const int64_t whole = n / panel_ * panel_, rest = n - whole;
+  const bool narrow_last = narrow_tail && panel_ > kNarrowPanelWidth && whole > 0 && rest > 0 &&
+                           rest <= kNarrowPanelWidth;
+  wide_columns_ = narrow_last ? whole : (n + panel_ - 1) / panel_ * panel_;
+  return (wide_columns_ + (narrow_last ? kNarrowPanelWidth : 0)) * values_per_column;
 }
 
 PairPanels PackedRight::bf16_panels_to_fill(int64_t k, int64_t n, ProductKind kind) {
   TORCH_CHECK(kind.bf16 && at_least(kind.isa, ProductIsa::Avx512Bf16) && at_least(detected_isa(), kind.isa),
               "tiled kernel: bfloat16 panels asked for ", isa_name(kind.isa), " products on a CPU with ",
               isa_name(detected_isa()));
-  kind_ = kind, k_ = k, n_ = n, panel_ = columns_per_panel(kind, n);
+  kind_ = kind, k_ = k, n_ = n;
   const int64_t pairs = (k + 1) / 2;
   depth_ = kind.isa == ProductIsa::AmxBf16 ? (pairs + amx::kPairsPerTile - 1) / amx::kPairsPerTile * amx::kPairsPerTile
                                            : pairs;
-  bf16_.resize(static_cast<size_t>((n + panel_ - 1) / panel_ * depth_ * 2 * panel_));  // no zeros: all is written
+  // Panels of one width throughout (PairPanels' layout): no narrow last panel.
+  bf16_.resize(static_cast<size_t>(lay_out(n, kind, depth_ * 2, false)));  // no zeros: all is written
   return {bf16_.data(), panel_, depth_};
 }
 

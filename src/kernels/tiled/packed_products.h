@@ -41,7 +41,12 @@ struct ProductKind {
 /// The right operand B (k × n) of a block product, packed: float32 panels [n / NR][k][NR], or
 /// bfloat16 panels [n / 32][pair_depth()][32][2] (row pairs interleaved for vdpbf16ps, which is
 /// also AMX's layout of B; pair_depth() = ceil(k / 2), for AMX rounded up to whole tiles of 16
-/// pairs); padded with zeros. Its storage is kept between packs, so a reused one allocates once.
+/// pairs); padded with zeros. Where the last of several 32-column panels would hold 16 columns or
+/// fewer (n = 80 = 32 + 32 + 16: a head width of 80, or a key block's last columns), it is packed
+/// 16 wide and multiplied by the narrow tiles, which spares the products the zero columns: a
+/// quarter of n = 80's products did nothing (the 16-wide panel starts where a 32-wide one would,
+/// so every panel keeps its offset). Its storage is kept between packs, so a reused one allocates
+/// once.
 class PackedRight {
  public:
   /// Packs b (k × n); bfloat16 products round float32 values to bfloat16 (nearest even).
@@ -56,6 +61,9 @@ class PackedRight {
   int64_t n() const { return n_; }
   ProductKind kind() const { return kind_; }
   int64_t panel_width() const { return panel_; }
+  /// The columns that lie in panels panel_width() wide: n rounded up to a whole panel, or short of
+  /// n by the narrow last panel (kNarrowPanelWidth columns wide) where there is one.
+  int64_t wide_columns() const { return wide_columns_; }
   int64_t pair_depth() const { return depth_; }
   const float* f32() const { return f32_.data(); }
   const uint16_t* bf16() const { return bf16_.data(); }
@@ -65,7 +73,12 @@ class PackedRight {
   void pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind);
 
   ProductKind kind_;
-  int64_t k_ = 0, n_ = 0, panel_ = 0, depth_ = 0;
+  // Lays out panels for `kind` (panel_, wide_columns_); returns the values the panels hold.
+  int64_t lay_out(int64_t n, ProductKind kind, int64_t values_per_column, bool narrow_tail);
+  int64_t width_at(int64_t j0) const { return j0 < wide_columns_ ? panel_ : kNarrowPanelWidth; }
+  static constexpr int64_t kNarrowPanelWidth = 16;
+
+  int64_t k_ = 0, n_ = 0, panel_ = 0, wide_columns_ = 0, depth_ = 0;
   AlignedVector<float> f32_;  // on cache lines: each panel row and AMX tile starts on one
   AlignedVector<uint16_t> bf16_;
 };
