@@ -176,7 +176,7 @@ TEST(PackedProducts, ALastPanelOfSixteenColumnsOrFewerIsPackedNarrow) {
   for (const auto& kind : runnable_kinds()) {
     SCOPED_TRACE(describe(kind));
     PackedRight packed;
-    std::vector<float> b(64 * 100, 1.0f);
+    std::vector<float> b(64 * 256, 1.0f);  // 64 rows of the widest n below
     packed.pack(Strided<float>{b.data(), 100, 1}, 64, 100, kind);
     if (packed.panel_width() != 32) {
       EXPECT_EQ(packed.wide_columns() % packed.panel_width(), 0);
