@@ -213,30 +213,34 @@ void tile_of(int rows, Args... args) {
   }
 }
 
+// Every row of A against one panel (columns j0 .. j0 + cols of C), MR rows at a time.
+template <template <int> class Tile, int MR, typename a_t, typename b_t>
+void multiply_panel(const a_t* a, int64_t ars, int64_t acs, int64_t m, const b_t* panel, int64_t steps, int64_t j0,
+                    int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
+  for (int64_t i0 = 0; i0 < m; i0 += MR) {
+    const int rows = static_cast<int>(std::min<int64_t>(MR, m - i0));
+    tile_of<Tile, MR>(rows, steps, a + i0 * ars, ars, acs, panel, cols, alpha, beta, c + i0 * ldc + j0, ldc);
+  }
+}
+
 // C = alpha · A · B + beta · C, panel by panel (a panel stays in L1 while every row of A meets it):
 // Tile over the panels of the first `wide_columns` columns, TailTile over the narrower last panel
-// past them, if n reaches it (PackedRight::wide_columns). `depth` is the panel's rows: k for
-// float32, the pairs for bfloat16; `steps` of them are used.
-template <template <int> class Tile, int MR, template <int> class TailTile, int TailMR, typename a_t, typename b_t>
+// past them, if n reaches it (PackedRight::wide_columns; a panel starts at its first column times
+// the values a column holds, whatever its width). `depth` is the panel's rows: k for float32, the
+// pairs for bfloat16; `steps` of them are used.
+template <template <int> class Tile, int MR, template <int> class TailTile = Tile, int TailMR = MR, typename a_t,
+          typename b_t>
 void drive(const a_t* a, int64_t ars, int64_t acs, int64_t m, const b_t* panels, int64_t depth, int64_t steps,
            int64_t values_per_step, int64_t n, int64_t wide_columns, float alpha, float beta, float* c, int64_t ldc) {
   constexpr int64_t NR = Tile<1>::NR;
   const int64_t wide_end = std::min(n, wide_columns);
   for (int64_t j0 = 0; j0 < wide_end; j0 += NR) {
-    const b_t* panel = panels + j0 * depth * values_per_step;
-    const int64_t cols = std::min<int64_t>(NR, wide_end - j0);
-    for (int64_t i0 = 0; i0 < m; i0 += MR) {
-      const int rows = static_cast<int>(std::min<int64_t>(MR, m - i0));
-      tile_of<Tile, MR>(rows, steps, a + i0 * ars, ars, acs, panel, cols, alpha, beta, c + i0 * ldc + j0, ldc);
-    }
+    multiply_panel<Tile, MR>(a, ars, acs, m, panels + j0 * depth * values_per_step, steps, j0,
+                             std::min<int64_t>(NR, wide_end - j0), alpha, beta, c, ldc);
   }
-  if (n <= wide_columns) return;
-  const b_t* panel = panels + wide_columns * depth * values_per_step;
-  const int64_t cols = n - wide_columns;  // at most TailTile's width (PackedRight::lay_out)
-  for (int64_t i0 = 0; i0 < m; i0 += TailMR) {
-    const int rows = static_cast<int>(std::min<int64_t>(TailMR, m - i0));
-    tile_of<TailTile, TailMR>(rows, steps, a + i0 * ars, ars, acs, panel, cols, alpha, beta,
-                              c + i0 * ldc + wide_columns, ldc);
+  if (n > wide_columns) {  // at most TailTile's width past them (PackedRight::lay_out)
+    multiply_panel<TailTile, TailMR>(a, ars, acs, m, panels + wide_columns * depth * values_per_step, steps,
+                                     wide_columns, n - wide_columns, alpha, beta, c, ldc);
   }
 }
 
@@ -249,20 +253,18 @@ void multiply_float(const float* a, int64_t ars, int64_t acs, int64_t m, const P
     case ProductIsa::Avx512Bf16:
     case ProductIsa::AmxBf16:
       if (b.panel_width() == 16) {
-        drive<Avx512NarrowTile, 12, Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(),
-                                                          alpha, beta, c, ldc);
+        drive<Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc);
       } else {
         drive<Avx512Tile, 8, Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha,
                                                    beta, c, ldc);
       }
       return;
     case ProductIsa::Avx2:
-      drive<Avx2Tile, 6, Avx2Tile, 6>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc);
+      drive<Avx2Tile, 6>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc);
       return;
 #endif
     default:
-      drive<PortableTile, 4, PortableTile, 4>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c,
-                                              ldc);
+      drive<PortableTile, 4>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc);
   }
 }
 
@@ -372,9 +374,8 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
     const int64_t depth = b.pair_depth(), pairs = (k + 1) / 2;
     const Pairs a_pairs = pairs_of(a, m, k, scratch);
     if (b.panel_width() == 16) {
-      drive<Avx512Bf16NarrowTile, 12, Avx512Bf16NarrowTile, 12>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride,
-                                                                m, b.bf16(), depth, pairs, 2, n, b.wide_columns(),
-                                                                alpha, beta, c, ldc);
+      drive<Avx512Bf16NarrowTile, 12>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m, b.bf16(), depth, pairs,
+                                      2, n, b.wide_columns(), alpha, beta, c, ldc);
     } else {
       drive<Avx512Bf16Tile, 8, Avx512Bf16NarrowTile, 12>(a_pairs.data, a_pairs.row_stride, a_pairs.pair_stride, m,
                                                          b.bf16(), depth, pairs, 2, n, b.wide_columns(), alpha, beta,

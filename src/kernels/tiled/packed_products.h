@@ -43,10 +43,9 @@ struct ProductKind {
 /// also AMX's layout of B; pair_depth() = ceil(k / 2), for AMX rounded up to whole tiles of 16
 /// pairs); padded with zeros. Where the last of several 32-column panels would hold 16 columns or
 /// fewer (n = 80 = 32 + 32 + 16: a head width of 80, or a key block's last columns), it is packed
-/// 16 wide and multiplied by the narrow tiles, which spares the products the zero columns: a
-/// quarter of n = 80's products did nothing (the 16-wide panel starts where a 32-wide one would,
-/// so every panel keeps its offset). Its storage is kept between packs, so a reused one allocates
-/// once.
+/// 16 wide and multiplied by the narrow tiles, which spares the products the zero columns (n = 80
+/// multiplied 96 columns; the 16-wide panel starts where a 32-wide one would, so every panel keeps
+/// its offset). Its storage is kept between packs, so a reused one allocates once.
 class PackedRight {
  public:
   /// Packs b (k × n); bfloat16 products round float32 values to bfloat16 (nearest even).
