@@ -50,7 +50,9 @@ torch::Tensor rotate_by_operations(const torch::Tensor& x, const RopeTable& tabl
 // CPU picks one at load time (GCC's target_clones); every clone is this loop, only wider (with
 // fused multiply-adds where the CPU has them: one rounding less, within float32's tolerance).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define QKV_ROTATE_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+// "arch=x86-64-v3" is AVX2 with FMA in one clone ("avx2,fma" would name two), chosen by GCC's
+// resolver from the CPU's features (GCC 12 and later).
+#define QKV_ROTATE_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
 #else
 #define QKV_ROTATE_CLONES
 #endif

@@ -391,6 +391,46 @@ TEST(RowOperations, ExpShiftedSumMatchesStdExp) {
   EXPECT_EQ(with_nan[0], 1.0f);
 }
 
+// The backward's form: a softmax scale as the factor and the log of the row's sum as `then`, over
+// lengths that end in every position of an 8- and a 16-float vector; a NaN in a whole vector and in
+// the tail stays NaN and makes the sum NaN, and a score equal to the shift gives exp(-then).
+TEST(RowOperations, ExpShiftedSumWithFactorAndLogSum) {
+  std::mt19937 random(11);
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const float factor = 0.17677669f, shift = 3.0f, then = 1.75f;  // 1/sqrt(32)
+  for (int64_t n : {1, 7, 8, 9, 15, 16, 23, 24, 31, 40, 65}) {
+    std::vector<float> x(n);
+    for (auto& value : x) value = std::uniform_real_distribution<float>(-600.0f, 40.0f)(random);
+    x[0] = shift / factor;  // the row's maximum
+    if (n > 2) x[n - 1] = -inf;
+    auto result = x;
+    const float sum = qkv::kernels::exp_shifted_sum(result.data(), n, factor, shift, then);
+    double expected_sum = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = (static_cast<double>(factor) * x[i] - shift) - then;
+      if (v < -87.0 - 1e-4) {
+        EXPECT_EQ(result[i], 0.0f) << "x = " << x[i] << ", n = " << n;
+        continue;
+      }
+      if (v < -87.0 + 1e-4) continue;  // at the cut, either side may round
+      const double expected = std::exp(v);
+      expected_sum += expected;
+      // float32's rounding of factor · x (up to 2^-24 of |factor · x| ≤ 106) moves v by up to 6e-6.
+      EXPECT_LE(std::abs(result[i] - expected), (3e-7 + 6.4e-6) * expected) << "x = " << x[i] << ", n = " << n;
+    }
+    EXPECT_NEAR(result[0], std::exp(-static_cast<double>(then)), 1e-6) << "n = " << n;
+    EXPECT_LE(std::abs(sum - expected_sum), 8e-6 * expected_sum) << "n = " << n;
+  }
+  for (int64_t at : {3, 17, 22}) {  // in a whole vector of 16, a whole vector of 8, the tail
+    std::vector<float> x(23, 1.0f);
+    x[at] = nan;
+    const float sum = qkv::kernels::exp_shifted_sum(x.data(), 23, factor, shift, then);
+    EXPECT_TRUE(std::isnan(x[at])) << "NaN at " << at;
+    EXPECT_TRUE(std::isnan(sum)) << "NaN at " << at;
+    EXPECT_NEAR(x[at == 3 ? 4 : 3], std::exp((factor * 1.0 - shift) - then), 1e-7) << "NaN at " << at;
+  }
+}
+
 // The exponentials rounded to bfloat16 on their way out (the bfloat16 products' weights), on the
 // path QKV_TILED_ISA leaves: each within one rounding of exp itself (nearest even, so at most half a
 // bfloat16 step of 2^-8 relative, plus the polynomial's 3e-6), the sum that of the float32 values,

@@ -27,7 +27,11 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
-#define QKV_VECTORISED __attribute__((target_clones("avx2,fma", "default")))
+// Plain loops that the compiler vectorises, cloned for AVX2 beside the baseline (the CPU picks one
+// at load time). None of them gains from fused multiply-adds; the one that would, the exponential,
+// has intrinsics of its own for AVX2 + FMA and AVX-512 (a clone list of "avx2,fma" names two
+// clones, AVX2 without FMA and FMA without AVX2, not one with both).
+#define QKV_VECTORISED __attribute__((target_clones("avx2", "default")))
 
 namespace qkv::kernels {
 
@@ -156,6 +160,67 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float e
     float* x, int64_t n, float factor, float shift) {
   return exp_shifted_for_bf16_avx512<true>(x, n, factor, shift, nullptr, x, nullptr);
 }
+
+// The lanes of an 8-float vector that hold one of the `left` values still to do (all bits set).
+__attribute__((target("avx2"))) inline __m256i tail_lanes8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// exp_of's polynomial on AVX2 + FMA. Without vscalefps, 2^k is written into the exponent bits, so
+// v is clamped to [-87, 88] first (k in [-126, 127]), as exp_shifted_sum_compiled does; the lanes
+// below -87 (-inf's among them) are then set to 0 and a NaN is put back.
+__attribute__((target("avx2,fma"))) inline __m256 exp_of_avx2(__m256 v) {
+  const __m256 log2e = _mm256_set1_ps(kLog2e), ln2_high = _mm256_set1_ps(0.693359375f),
+               ln2_low = _mm256_set1_ps(-2.12194440e-4f), one = _mm256_set1_ps(1.0f), lowest = _mm256_set1_ps(-87.0f);
+  // max(v, -87) takes -87 for a NaN v (its second operand), so k stays a small integer below.
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(v, lowest), _mm256_set1_ps(88.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(clamped, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(k, ln2_low, _mm256_fnmadd_ps(k, ln2_high, clamped));
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  const __m256 exp_r = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
+  const __m256i two_to_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, lowest, _CMP_LT_OQ), _mm256_mul_ps(exp_r, _mm256_castsi256_ps(two_to_k)));
+  return _mm256_blendv_ps(e, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// exp((factor · x - shift) - then), the difference formed as exp_shifted_sum_avx512 forms it.
+__attribute__((target("avx2,fma"))) inline __m256 exp_shifted_avx2(__m256 x, __m256 factor, __m256 shift,
+                                                                    __m256 then) {
+  return exp_of_avx2(_mm256_sub_ps(_mm256_fmsub_ps(x, factor, shift), then));
+}
+
+// The exponentials and their sum in one pass (the compiled loop took two, and GCC's AVX2 clone
+// of it has no fused multiply-adds: target_clones' "avx2,fma" names two clones, not one); two
+// sums, so that the additions of consecutive vectors do not wait on each other.
+__attribute__((target("avx2,fma"))) float exp_shifted_sum_avx2(float* x, int64_t n, float factor, float shift,
+                                                              float then) {
+  const __m256 factor_v = _mm256_set1_ps(factor), shift_v = _mm256_set1_ps(shift), then_v = _mm256_set1_ps(then);
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 e0 = exp_shifted_avx2(_mm256_loadu_ps(x + i), factor_v, shift_v, then_v), e1 = exp_shifted_avx2(_mm256_loadu_ps(x + i + 8), factor_v, shift_v, then_v);
+    _mm256_storeu_ps(x + i, e0);
+    _mm256_storeu_ps(x + i + 8, e1);
+    sum0 = _mm256_add_ps(sum0, e0);
+    sum1 = _mm256_add_ps(sum1, e1);
+  }
+  for (; i < n; i += 8) {
+    const __m256i lanes = tail_lanes8(n - i);
+    const __m256 e = _mm256_and_ps(exp_shifted_avx2(_mm256_maskload_ps(x + i, lanes), factor_v, shift_v, then_v), _mm256_castsi256_ps(lanes));
+    _mm256_maskstore_ps(x + i, lanes, e);
+    sum0 = _mm256_add_ps(sum0, e);
+  }
+  const __m256 sum = _mm256_add_ps(sum0, sum1);
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
 #endif
 
 }  // namespace
@@ -164,6 +229,7 @@ float exp_shifted_sum(float* x, int64_t n, float factor, float shift, float then
   static const auto implementation = [] {
 #if defined(__x86_64__)
     if (wide_vectors()) return &exp_shifted_sum_avx512;
+    if (avx2_vectors()) return &exp_shifted_sum_avx2;
 #endif
     return &exp_shifted_sum_compiled;
   }();
@@ -218,11 +284,13 @@ namespace {
 
 QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift, float then) {
   // exp(v) = 2^k · exp(r), k = round(v / ln 2), r = v - k ln 2 in [-ln2/2, ln2/2]; exp(r) by the
-  // minimax polynomial of Cephes' expf; 2^k by writing k into the exponent bits.
+  // minimax polynomial of Cephes' expf; 2^k by writing k into the exponent bits. The exponential
+  // of CPUs without AVX2 (exp_shifted_sum_avx2 and exp_shifted_sum_avx512 are this, by hand) and
+  // of the bfloat16 passes' portable reference.
   constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
   constexpr float kRound = 12582912.0f;  // 1.5 · 2^23: adding and subtracting it rounds to an integer
   for (int64_t i = 0; i < n; ++i) {
-    const float v = (factor * x[i] - shift) - then;  // one fused multiply-add where the clone has FMA
+    const float v = (factor * x[i] - shift) - then;
     // Written so that a NaN lands on -87 (every comparison with NaN is false): k then stays a small
     // integer, whose conversion and shift below are defined; the NaN itself is restored at the end.
     const float clamped = v >= -87.0f ? (v <= 88.0f ? v : 88.0f) : -87.0f;

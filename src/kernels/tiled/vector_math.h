@@ -1,5 +1,6 @@
-// Row operations of the tiled kernel, vectorised: the compiler emits AVX-512 and AVX2/FMA code
-// beside the baseline and the CPU picks one at load time (GCC's target_clones). Private to qkv.
+// Row operations of the tiled kernel, vectorised: AVX-512 and AVX2 versions (intrinsics, or loops
+// the compiler clones) beside the baseline, chosen at run time by the instruction set the kernel's
+// products use (QKV_TILED_ISA lowers both) or by the CPU. Private to qkv.
 #pragma once
 
 #include <c10/util/BFloat16.h>
