@@ -167,14 +167,16 @@ __attribute__((target("avx2"))) inline __m256i tail_lanes8(int64_t left) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// exp_of's polynomial on AVX2 + FMA. Without vscalefps, 2^k is written into the exponent bits, so
-// v is clamped to [-87, 88] first (k in [-126, 127]), as exp_shifted_sum_compiled does; the lanes
-// below -87 (-inf's among them) are then set to 0 and a NaN is put back.
+// exp_of's polynomial on AVX2 + FMA. Without vscalefps, k is added to exp(r)'s exponent bits, so v
+// is clamped to [-87, 88] first: k is then in [-126, 127], and exp(r) · 2^k stays a normal float
+// (r > 0 where k = -126, r < 0 where k = 127). The lanes below -87 (-inf's among them) are set to 0
+// at the end. A NaN passes through by itself: max and min return their second operand where either
+// is NaN, and the conversion of a NaN k is 0x80000000, which shifted by 23 adds nothing to exp(r)'s
+// NaN bits.
 __attribute__((target("avx2,fma"))) inline __m256 exp_of_avx2(__m256 v) {
   const __m256 log2e = _mm256_set1_ps(kLog2e), ln2_high = _mm256_set1_ps(0.693359375f),
                ln2_low = _mm256_set1_ps(-2.12194440e-4f), one = _mm256_set1_ps(1.0f), lowest = _mm256_set1_ps(-87.0f);
-  // max(v, -87) takes -87 for a NaN v (its second operand), so k stays a small integer below.
-  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(v, lowest), _mm256_set1_ps(88.0f));
+  const __m256 clamped = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lowest, v));
   const __m256 k = _mm256_round_ps(_mm256_mul_ps(clamped, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 r = _mm256_fnmadd_ps(k, ln2_low, _mm256_fnmadd_ps(k, ln2_high, clamped));
   __m256 p = _mm256_set1_ps(1.9875691500E-4f);
@@ -184,27 +186,31 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_of_avx2(__m256 v) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
   const __m256 exp_r = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
-  const __m256i two_to_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, lowest, _CMP_LT_OQ), _mm256_mul_ps(exp_r, _mm256_castsi256_ps(two_to_k)));
-  return _mm256_blendv_ps(e, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i scaled = _mm256_add_epi32(_mm256_castps_si256(exp_r), _mm256_slli_epi32(_mm256_cvtps_epi32(k), 23));
+  return _mm256_andnot_ps(_mm256_cmp_ps(v, lowest, _CMP_LT_OQ), _mm256_castsi256_ps(scaled));
 }
 
-// exp((factor · x - shift) - then), the difference formed as exp_shifted_sum_avx512 forms it.
+// exp((factor · x - shift) - then), the difference formed as exp_shifted_sum_avx512 forms it; the
+// forward's then = 0 is left out.
+template <bool kThen>
 __attribute__((target("avx2,fma"))) inline __m256 exp_shifted_avx2(__m256 x, __m256 factor, __m256 shift,
                                                                     __m256 then) {
-  return exp_of_avx2(_mm256_sub_ps(_mm256_fmsub_ps(x, factor, shift), then));
+  const __m256 v = _mm256_fmsub_ps(x, factor, shift);
+  return exp_of_avx2(kThen ? _mm256_sub_ps(v, then) : v);
 }
 
 // The exponentials and their sum in one pass (the compiled loop took two, and GCC's AVX2 clone
 // of it has no fused multiply-adds: target_clones' "avx2,fma" names two clones, not one); two
 // sums, so that the additions of consecutive vectors do not wait on each other.
-__attribute__((target("avx2,fma"))) float exp_shifted_sum_avx2(float* x, int64_t n, float factor, float shift,
-                                                              float then) {
+template <bool kThen>
+__attribute__((target("avx2,fma"))) float exp_shifted_sum_avx2_with(float* x, int64_t n, float factor, float shift,
+                                                                   float then) {
   const __m256 factor_v = _mm256_set1_ps(factor), shift_v = _mm256_set1_ps(shift), then_v = _mm256_set1_ps(then);
   __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256 e0 = exp_shifted_avx2(_mm256_loadu_ps(x + i), factor_v, shift_v, then_v), e1 = exp_shifted_avx2(_mm256_loadu_ps(x + i + 8), factor_v, shift_v, then_v);
+    const __m256 e0 = exp_shifted_avx2<kThen>(_mm256_loadu_ps(x + i), factor_v, shift_v, then_v);
+    const __m256 e1 = exp_shifted_avx2<kThen>(_mm256_loadu_ps(x + i + 8), factor_v, shift_v, then_v);
     _mm256_storeu_ps(x + i, e0);
     _mm256_storeu_ps(x + i + 8, e1);
     sum0 = _mm256_add_ps(sum0, e0);
@@ -212,7 +218,8 @@ __attribute__((target("avx2,fma"))) float exp_shifted_sum_avx2(float* x, int64_t
   }
   for (; i < n; i += 8) {
     const __m256i lanes = tail_lanes8(n - i);
-    const __m256 e = _mm256_and_ps(exp_shifted_avx2(_mm256_maskload_ps(x + i, lanes), factor_v, shift_v, then_v), _mm256_castsi256_ps(lanes));
+    const __m256 e = _mm256_and_ps(exp_shifted_avx2<kThen>(_mm256_maskload_ps(x + i, lanes), factor_v, shift_v, then_v),
+                                   _mm256_castsi256_ps(lanes));
     _mm256_maskstore_ps(x + i, lanes, e);
     sum0 = _mm256_add_ps(sum0, e);
   }
@@ -220,6 +227,11 @@ __attribute__((target("avx2,fma"))) float exp_shifted_sum_avx2(float* x, int64_t
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
   const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+
+float exp_shifted_sum_avx2(float* x, int64_t n, float factor, float shift, float then) {
+  return then == 0.0f ? exp_shifted_sum_avx2_with<false>(x, n, factor, shift, then)
+                      : exp_shifted_sum_avx2_with<true>(x, n, factor, shift, then);
 }
 #endif
 
