@@ -40,6 +40,15 @@ namespace {
 // log2(e): every exponential here is 2^(v · log2(e)).
 constexpr float kLog2e = 1.44269504088896341f;
 
+// The float32 exponential's pieces, shared by its three versions (exp_shifted_sum_compiled, and
+// exp_of and exp_of_avx2 by intrinsics): exp(v) = 2^k · exp(r) with k = round(v · log2(e)) and
+// r = v - k · ln 2, ln 2 split in two (Cody and Waite) so that k · kLn2High is exact; exp(r) =
+// 1 + r + r² · p(r), p by Horner from the highest coefficient (Cephes' expf, relative error below
+// 1e-7 on r in [-ln 2 / 2, ln 2 / 2]).
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPolynomial[] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                                    4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
 float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift, float then);
 
 // Whether the row operations take their AVX-512 versions (the instruction set the kernel's
@@ -70,22 +79,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 widen_bf16(co
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x)), 16));
 }
 
-// The same polynomial as below, written for AVX-512: vscalefps multiplies by 2^k (the compiler's
+// kExpPolynomial's exponential written for AVX-512: vscalefps multiplies by 2^k (the compiler's
 // version of the bit assembly and the NaN blends cost a fifth of the bf16 backward), and a NaN
 // passes through every step by itself. No clamping: vscalefps gives infinity for a large k by
 // itself, and the lanes below -87 (-inf's among them, whose r is NaN) are set to 0 at the end.
 __attribute__((target("avx512f"))) inline __m512 exp_of(__m512 v, __mmask16 lanes) {
-  const __m512 log2e = _mm512_set1_ps(kLog2e), ln2_high = _mm512_set1_ps(0.693359375f),
-               ln2_low = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.0f);
+  const __m512 log2e = _mm512_set1_ps(kLog2e), ln2_high = _mm512_set1_ps(kLn2High),
+               ln2_low = _mm512_set1_ps(kLn2Low), one = _mm512_set1_ps(1.0f);
   const __mmask16 underflow = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);  // -inf included
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(k, ln2_low, _mm512_fnmadd_ps(k, ln2_high, v));
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  __m512 p = _mm512_set1_ps(kExpPolynomial[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPolynomial[i]));
   const __m512 exp_r = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, one));
   return _mm512_maskz_mov_ps(lanes & ~underflow, _mm512_scalef_ps(exp_r, k));
 }
@@ -174,17 +180,14 @@ __attribute__((target("avx2"))) inline __m256i tail_lanes8(int64_t left) {
 // is NaN, and the conversion of a NaN k is 0x80000000, which shifted by 23 adds nothing to exp(r)'s
 // NaN bits.
 __attribute__((target("avx2,fma"))) inline __m256 exp_of_avx2(__m256 v) {
-  const __m256 log2e = _mm256_set1_ps(kLog2e), ln2_high = _mm256_set1_ps(0.693359375f),
-               ln2_low = _mm256_set1_ps(-2.12194440e-4f), one = _mm256_set1_ps(1.0f), lowest = _mm256_set1_ps(-87.0f);
+  const __m256 log2e = _mm256_set1_ps(kLog2e), ln2_high = _mm256_set1_ps(kLn2High), ln2_low = _mm256_set1_ps(kLn2Low),
+               one = _mm256_set1_ps(1.0f), lowest = _mm256_set1_ps(-87.0f);
   const __m256 clamped = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lowest, v));
   const __m256 k = _mm256_round_ps(_mm256_mul_ps(clamped, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 r = _mm256_fnmadd_ps(k, ln2_low, _mm256_fnmadd_ps(k, ln2_high, clamped));
-  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 p = _mm256_set1_ps(kExpPolynomial[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPolynomial[i]));
   const __m256 exp_r = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
   const __m256i scaled = _mm256_add_epi32(_mm256_castps_si256(exp_r), _mm256_slli_epi32(_mm256_cvtps_epi32(k), 23));
   return _mm256_andnot_ps(_mm256_cmp_ps(v, lowest, _CMP_LT_OQ), _mm256_castsi256_ps(scaled));
@@ -295,11 +298,9 @@ float exp_shifted_sum_for_bf16(float* x, int64_t n, float factor, float shift) {
 namespace {
 
 QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, float factor, float shift, float then) {
-  // exp(v) = 2^k · exp(r), k = round(v / ln 2), r = v - k ln 2 in [-ln2/2, ln2/2]; exp(r) by the
-  // minimax polynomial of Cephes' expf; 2^k by writing k into the exponent bits. The exponential
-  // of CPUs without AVX2 (exp_shifted_sum_avx2 and exp_shifted_sum_avx512 are this, by hand) and
-  // of the bfloat16 passes' portable reference.
-  constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+  // kExpPolynomial's exponential, 2^k by writing k into the exponent bits: that of CPUs without
+  // AVX2 (exp_shifted_sum_avx2 and exp_shifted_sum_avx512 are this, by hand) and of the bfloat16
+  // passes' portable reference.
   constexpr float kRound = 12582912.0f;  // 1.5 · 2^23: adding and subtracting it rounds to an integer
   for (int64_t i = 0; i < n; ++i) {
     const float v = (factor * x[i] - shift) - then;
@@ -308,12 +309,8 @@ QKV_VECTORISED float exp_shifted_sum_compiled(float* __restrict x, int64_t n, fl
     const float clamped = v >= -87.0f ? (v <= 88.0f ? v : 88.0f) : -87.0f;
     const float k = (clamped * kLog2e + kRound) - kRound;
     const float r = clamped - k * kLn2High - k * kLn2Low;
-    float p = 1.9875691500E-4f;
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
+    float p = kExpPolynomial[0];
+    for (int c = 1; c < 6; ++c) p = p * r + kExpPolynomial[c];
     const float exp_r = p * (r * r) + r + 1.0f;
     const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;  // k in [-126, 127]
     float two_to_k;
