@@ -17,6 +17,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -527,11 +528,18 @@ TEST(RowOperations, ExponentialsKeptInFloat32RoundToTheBFloat16Ones) {
 
 TEST(RowOperations, MaxOfLetsANaNWin) {
   std::mt19937 random(4);
-  for (int64_t n : {1, 7, 16, 33, 256}) {
+  for (int64_t n : {1, 7, 16, 24, 33, 41, 256}) {
     std::vector<float> x(n);
     for (auto& value : x) value = std::normal_distribution<float>(0.0f, 10.0f)(random);
     EXPECT_EQ(qkv::kernels::max_of(x.data(), n), *std::max_element(x.begin(), x.end())) << "n = " << n;
-    for (int64_t at : {int64_t{0}, n / 2, n - 1}) {  // a NaN anywhere, the first lane and the tail included
+    // A NaN anywhere: up to 41 values at every position (each lane of the vector loops' one and two
+    // vectors a step, and the scalar tail), else the first, the middle and the last.
+    std::vector<int64_t> positions = {0, n / 2, n - 1};
+    if (n <= 41) {
+      positions.resize(static_cast<size_t>(n));
+      std::iota(positions.begin(), positions.end(), int64_t{0});
+    }
+    for (int64_t at : positions) {
       auto poisoned = x;
       poisoned[at] = std::numeric_limits<float>::quiet_NaN();
       EXPECT_TRUE(std::isnan(qkv::kernels::max_of(poisoned.data(), n))) << "NaN at " << at << " of " << n;

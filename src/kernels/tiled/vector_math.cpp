@@ -361,17 +361,25 @@ __attribute__((target("avx512f"))) float max_of_avx512(const float* x, int64_t n
   return result;
 }
 
+// Two vectors a step, each with its own maximum, so that consecutive maxima do not wait on each
+// other; one unordered comparison of the two flags a NaN in either.
 __attribute__((target("avx2"))) float max_of_avx2(const float* x, int64_t n) {
-  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 best0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), best1 = best0;
   __m256 nan = _mm256_setzero_ps();
   int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
+    best0 = _mm256_max_ps(best0, v0);
+    best1 = _mm256_max_ps(best1, v1);
+  }
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    best = _mm256_max_ps(best, v);
+    best0 = _mm256_max_ps(best0, v);
   }
   alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, best);
+  _mm256_store_ps(lanes, _mm256_max_ps(best0, best1));
   float result = -std::numeric_limits<float>::infinity();
   for (float lane : lanes) result = nan_max(result, lane);
   for (; i < n; ++i) result = nan_max(result, x[i]);
