@@ -167,6 +167,14 @@ __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16"))) float e
   return exp_shifted_for_bf16_avx512<true>(x, n, factor, shift, nullptr, x, nullptr);
 }
 
+// The sum of the 16 lanes of two 8-float vectors.
+__attribute__((target("avx2,fma"))) inline float sum_of_lanes(__m256 low, __m256 high) {
+  const __m256 both = _mm256_add_ps(low, high);
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
 // The lanes of an 8-float vector that hold one of the `left` values still to do (all bits set).
 __attribute__((target("avx2"))) inline __m256i tail_lanes8(int64_t left) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
@@ -226,10 +234,7 @@ __attribute__((target("avx2,fma"))) float exp_shifted_sum_avx2_with(float* x, in
     _mm256_maskstore_ps(x + i, lanes, e);
     sum0 = _mm256_add_ps(sum0, e);
   }
-  const __m256 sum = _mm256_add_ps(sum0, sum1);
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+  return sum_of_lanes(sum0, sum1);
 }
 
 float exp_shifted_sum_avx2(float* x, int64_t n, float factor, float shift, float then) {
@@ -373,10 +378,11 @@ __attribute__((target("avx2"))) float max_of_avx2(const float* x, int64_t n) {
     best0 = _mm256_max_ps(best0, v0);
     best1 = _mm256_max_ps(best1, v1);
   }
-  for (; i + 8 <= n; i += 8) {
+  if (i + 8 <= n) {  // at most one whole vector is left
     const __m256 v = _mm256_loadu_ps(x + i);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     best0 = _mm256_max_ps(best0, v);
+    i += 8;
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, _mm256_max_ps(best0, best1));
@@ -807,13 +813,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_into_bf16_avx512
 // partial sums, the 16 lanes of the other versions.
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* x) { return widen8_bfloat16(x); }
-
-__attribute__((target("avx2,fma"))) inline float sum_of_lanes(__m256 low, __m256 high) {
-  const __m256 both = _mm256_add_ps(low, high);
-  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
 
 template <typename T>
 __attribute__((target("avx2,fma"))) float dot_avx2(const T* a, const T* b, int64_t n) {
