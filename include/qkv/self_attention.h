@@ -85,7 +85,16 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
   torch::nn::Linear W_o{nullptr};  // only when options.out_proj()
 
  protected:
+  // LibTorch's macro calls TORCH_INTERNAL_ASSERT with no message, which clang's -Wpedantic reports
+  // here, in every program that includes this header, as a GNU extension.
+#if defined(__clang__)
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wgnu-zero-variadic-macro-arguments"
+#endif
   FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())}, {2, torch::nn::AnyValue(AttentionMask())})
+#if defined(__clang__)
+#pragma clang diagnostic pop
+#endif
 
  private:
   /// The module's options as the attention core's (no mask: the caller adds it).
