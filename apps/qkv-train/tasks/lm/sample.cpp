@@ -37,6 +37,13 @@ int64_t pick(const torch::Tensor& logits, const Sampling& sampling, at::Generato
 
 }  // namespace
 
+// GCC 16 (Debian unstable) reads LibTorch 2.14's c10::InferenceMode, whose saved state holds a
+// std::optional, as used uninitialized where the guard's destructor is inlined: the optional's
+// long-known false -Wmaybe-uninitialized (GCC bug 80635), reported at this function's end.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_tokens, const Sampling& sampling,
                        at::Generator generator) {
   TORCH_CHECK(prompt.dim() == 1 && prompt.numel() >= 1, "generate: expected a non-empty prompt of token ids");
@@ -78,6 +85,9 @@ torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_toke
   }
   return torch::tensor(produced, torch::kLong);
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 Gpt make_model(const RunConfig& config, int64_t vocabulary, const torch::Device& device) {
   torch::manual_seed(config.seed);
