@@ -172,7 +172,8 @@ torch::Tensor checkpoint(const CheckpointedFunction& function, const std::vector
   recipe->rng_states = states_of(recipe->generators);
   recipe->autocast = AutocastState::current();
   recipe->input_count = inputs.size();
-  return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(parameters), recipe);
+  return compat::apply_autograd_function<CheckpointFunction>(at::TensorList(inputs), at::TensorList(parameters),
+                                                             recipe);
 }
 
 }  // namespace qkv

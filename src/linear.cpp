@@ -279,8 +279,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   auto sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
   const auto rows = x.contiguous().view({-1, K});  // (M × K)
-  const auto y = bias.defined() ? GemmLinear::apply(rows, weight, bias, *inputs)
-                                : GemmLinearWithoutBias::apply(rows, weight, *inputs);  // (M × N)
+  const auto y = bias.defined()  // (M × N)
+                     ? compat::apply_autograd_function<GemmLinear>(rows, weight, bias, *inputs)
+                     : compat::apply_autograd_function<GemmLinearWithoutBias>(rows, weight, *inputs);
   return y.view(sizes);
 }
 

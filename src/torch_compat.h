@@ -104,4 +104,22 @@ auto find_optimizer_state(State& state, const Tensor& parameter) {
   }
 }
 
+/// Function::apply(args...) of a custom autograd function (torch::autograd::Function). LibTorch
+/// 2.x's apply records which arguments are tensors in a std::vector<bool>, whose reserve GCC 14
+/// (Debian 13) reports, wrongly, as writing out of bounds (-Warray-bounds, "forming offset 8 is out
+/// of the bounds [0, 8]", and -Wstringop-overflow; a false positive other projects met too) at
+/// calls with many arguments; silenced here, for the inlined apply only, instead of at each caller.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
+template <typename Function, typename... Args>
+decltype(auto) apply_autograd_function(Args&&... args) {
+  return Function::apply(std::forward<Args>(args)...);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 }  // namespace qkv::compat

@@ -15,6 +15,7 @@
 #include "kernels/tiled/kernel.h"
 #include "kernels/tiled/operands.h"
 #include "kernels/tiled/tiled_cpu.h"
+#include "torch_compat.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -300,9 +301,9 @@ AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::T
   const bool backward_follows = torch::GradMode::is_enabled() &&
                                 (q.requires_grad() || k.requires_grad() || v.requires_grad() || mask.requires_grad());
   AttentionResult result;
-  result.output = tiled::TiledAttentionFunction::apply(q, k, v, mask, key_lengths, resolved_scale(options, q.size(-1)),
-                                                       options.causal(), options.window().value_or(0), dropout,
-                                                       static_cast<int64_t>(seed), backward_follows, grouped);
+  result.output = compat::apply_autograd_function<tiled::TiledAttentionFunction>(
+      q, k, v, mask, key_lengths, resolved_scale(options, q.size(-1)), options.causal(), options.window().value_or(0),
+      dropout, static_cast<int64_t>(seed), backward_follows, grouped);
   result.backend = AttentionBackend::Tiled;
   return result;
 }
