@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/version.h>
 
 #include <sstream>
@@ -118,6 +119,27 @@ template <typename Function, typename... Args>
 decltype(auto) apply_autograd_function(Args&&... args) {
   return Function::apply(std::forward<Args>(args)...);
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+/// c10::InferenceMode as a guard. GCC 16 (Debian unstable) reads LibTorch 2.14's InferenceMode,
+/// whose saved state holds a std::optional, as used uninitialized where the guard's destructor is
+/// inlined (std::optional's long-known false -Wmaybe-uninitialized, GCC bug 80635); silenced here,
+/// for the guard alone, instead of around every function that takes one.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+class InferenceModeGuard {
+ public:
+  InferenceModeGuard() = default;
+  InferenceModeGuard(const InferenceModeGuard&) = delete;
+  InferenceModeGuard& operator=(const InferenceModeGuard&) = delete;
+
+ private:
+  c10::InferenceMode mode_;
+};
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif

@@ -10,6 +10,7 @@
 #include "kernels/linear/onednn_gemm.h"
 #include "kernels/tiled/cpu_features.h"
 #include "linear.h"
+#include "torch_compat.h"
 
 #include "support/compare.h"
 #include "support/fixtures.h"
@@ -380,12 +381,6 @@ TEST(Linear, LeavesOtherInputsToLibTorch) {
 
 namespace {
 
-// GCC 16's false -Wmaybe-uninitialized on LibTorch 2.14's c10::InferenceMode (GCC bug 80635, as in
-// apps/qkv-train/tasks/lm/sample.cpp).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 TEST(Linear, RunsUnderInferenceModeAndNoGrad) {
   // Generation runs the model without autograd: the route must give the same values there.
   torch::manual_seed(14);
@@ -393,7 +388,7 @@ TEST(Linear, RunsUnderInferenceModeAndNoGrad) {
   const auto want = torch::linear(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble));
   const auto tolerance = tolerance_for(torch::kFloat, 64);
   {
-    c10::InferenceMode inference;
+    const qkv::compat::InferenceModeGuard inference;
     EXPECT_LT(relative_error(qkv::detail::linear(x, w, b), want), tolerance);
   }
   {
@@ -404,9 +399,6 @@ TEST(Linear, RunsUnderInferenceModeAndNoGrad) {
     EXPECT_LT(relative_error(y, want), tolerance);
   }
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 }  // namespace
 

@@ -15,6 +15,20 @@
 
 #include <ostream>
 
+/// LibTorch's FORWARD_HAS_DEFAULT_ARGS (AnyModule and Sequential call forward with the trailing
+/// arguments left out), for qkv's modules. The macro calls TORCH_INTERNAL_ASSERT with no message,
+/// which clang's -Wpedantic reports, as a GNU extension, in every program that includes a qkv
+/// module's header; silenced here for the expansion alone.
+#if defined(__clang__)
+#define QKV_FORWARD_HAS_DEFAULT_ARGS(...)                                              \
+  _Pragma("clang diagnostic push")                                                     \
+  _Pragma("clang diagnostic ignored \"-Wgnu-zero-variadic-macro-arguments\"")          \
+  FORWARD_HAS_DEFAULT_ARGS(__VA_ARGS__)                                                \
+  _Pragma("clang diagnostic pop")
+#else
+#define QKV_FORWARD_HAS_DEFAULT_ARGS(...) FORWARD_HAS_DEFAULT_ARGS(__VA_ARGS__)
+#endif
+
 namespace qkv {
 
 /// What forward_with_weights returns.
@@ -85,16 +99,7 @@ class SelfAttentionImpl : public torch::nn::Cloneable<SelfAttentionImpl> {
   torch::nn::Linear W_o{nullptr};  // only when options.out_proj()
 
  protected:
-  // LibTorch's macro calls TORCH_INTERNAL_ASSERT with no message, which clang's -Wpedantic reports
-  // here, in every program that includes this header, as a GNU extension.
-#if defined(__clang__)
-#pragma clang diagnostic push
-#pragma clang diagnostic ignored "-Wgnu-zero-variadic-macro-arguments"
-#endif
-  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())}, {2, torch::nn::AnyValue(AttentionMask())})
-#if defined(__clang__)
-#pragma clang diagnostic pop
-#endif
+  QKV_FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())}, {2, torch::nn::AnyValue(AttentionMask())})
 
  private:
   /// The module's options as the attention core's (no mask: the caller adds it).

@@ -97,16 +97,7 @@ class TransformerBlockImpl : public torch::nn::Cloneable<TransformerBlockImpl> {
   torch::nn::Dropout residual_dropout{nullptr};
 
  protected:
-  // LibTorch's macro calls TORCH_INTERNAL_ASSERT with no message, which clang's -Wpedantic reports
-  // here, in every program that includes this header, as a GNU extension.
-#if defined(__clang__)
-#pragma clang diagnostic push
-#pragma clang diagnostic ignored "-Wgnu-zero-variadic-macro-arguments"
-#endif
-  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(AttentionMask())})
-#if defined(__clang__)
-#pragma clang diagnostic pop
-#endif
+  QKV_FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(AttentionMask())})
 
  private:
   torch::Tensor mlp(const torch::Tensor& x);

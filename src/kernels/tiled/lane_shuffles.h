@@ -17,14 +17,6 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i interleave_halves(__m
   return _mm512_permutexvar_epi16(order, halves);
 }
 
-// GCC 12's unpack intrinsics pass an undefined vector as their masked-off source, which its
-// -Wuninitialized reports, wrongly, once they are inlined here (GCC bug 105593; Debian 12's
-// sanitizer build showed it).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 // 16 × 16 32-bit values in 16 registers, transposed in place. Rows become columns: unpack the 32-bit and 64-bit halves within 128-bit lanes, then exchange
 // the lanes.
 __attribute__((target("avx512f"))) inline void transpose_16x16(__m512i (&r)[16]) {
@@ -51,9 +43,6 @@ __attribute__((target("avx512f"))) inline void transpose_16x16(__m512i (&r)[16])
   }
   for (int i = 0; i < 16; ++i) r[i] = columns[i];
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 }  // namespace qkv::kernels::tiled
 

@@ -8,6 +8,7 @@
 #include "eval_mode.h"
 #include "resources.h"
 #include "tasks/tasks.h"
+#include "torch_compat.h"
 
 #include <qkv/qkv.h>
 
@@ -37,20 +38,13 @@ int64_t pick(const torch::Tensor& logits, const Sampling& sampling, at::Generato
 
 }  // namespace
 
-// GCC 16 (Debian unstable) reads LibTorch 2.14's c10::InferenceMode, whose saved state holds a
-// std::optional, as used uninitialized where the guard's destructor is inlined: the optional's
-// long-known false -Wmaybe-uninitialized (GCC bug 80635), reported at this function's end.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_tokens, const Sampling& sampling,
                        at::Generator generator) {
   TORCH_CHECK(prompt.dim() == 1 && prompt.numel() >= 1, "generate: expected a non-empty prompt of token ids");
   TORCH_CHECK(new_tokens >= 0, "generate: expected new_tokens >= 0, got ", new_tokens);
   // Inference mode, not only no-grad: a cached step is ~150 small operations, and skipping autograd's
   // bookkeeping (version counters, views' metadata) is a measurable part of each one.
-  c10::InferenceMode inference;
+  const qkv::compat::InferenceModeGuard inference;
   const EvalModeGuard eval_mode(*model);
   // A model with a sliding window never slides a context: its caches roll, and without them the
   // whole sequence is recomputed (the window bounds what each position sees, at any length).
@@ -85,9 +79,6 @@ torch::Tensor generate(Gpt& model, const torch::Tensor& prompt, int64_t new_toke
   }
   return torch::tensor(produced, torch::kLong);
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 Gpt make_model(const RunConfig& config, int64_t vocabulary, const torch::Device& device) {
   torch::manual_seed(config.seed);
