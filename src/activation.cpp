@@ -3,6 +3,7 @@
 
 #include "kernels/linear/products.h"
 #include "kernels/tiled/cpu_features.h"
+#include "torch_compat.h"
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -96,7 +97,7 @@ bool gelu_through_float32() {
 at::Tensor gelu(const at::Tensor& x) {
   if (x.defined() && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.layout() == at::kStrided &&
       x.is_contiguous() && gelu_through_float32()) {
-    return GeluThroughFloat32::apply(x);
+    return compat::apply_autograd_function<GeluThroughFloat32>(x);
   }
   return at::gelu(x);
 }

@@ -2,6 +2,7 @@
 // an angle proportional to its position, so that q·k depends on the positions' difference only.
 #include "rope.h"
 #include "half_precision.h"
+#include "torch_compat.h"
 
 #include "kernels/bfloat16_bits.h"
 #include "kernels/tiled/operands.h"
@@ -146,8 +147,8 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
     const double sign = ctx->saved_data["sign"].toDouble();
     auto grad = grad_outputs[0];
     if (grad.stride(-1) != 1) grad = grad.contiguous();
-    return {RotaryFunction::apply(grad, saved[0], saved[1], -sign), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+    return {compat::apply_autograd_function<RotaryFunction>(grad, saved[0], saved[1], -sign), torch::Tensor(),
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -163,7 +164,7 @@ torch::Tensor apply_rope(const torch::Tensor& x, const RopeTable& table) {
                         table.sin.sizes() == table.cos.sizes() && !table.cos.requires_grad() &&
                         !table.sin.requires_grad();
   if (!one_pass) return rotate_by_operations(x, table);
-  return RotaryFunction::apply(x, table.cos.contiguous(), table.sin.contiguous(), 1.0);
+  return compat::apply_autograd_function<RotaryFunction>(x, table.cos.contiguous(), table.sin.contiguous(), 1.0);
 }
 
 torch::Tensor apply_rope(const torch::Tensor& x, int64_t offset, double base) {

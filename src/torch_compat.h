@@ -109,13 +109,19 @@ auto find_optimizer_state(State& state, const Tensor& parameter) {
 /// 2.x's apply records which arguments are tensors in a std::vector<bool>, whose reserve GCC 14
 /// (Debian 13) reports, wrongly, as writing out of bounds (-Warray-bounds, "forming offset 8 is out
 /// of the bounds [0, 8]", and -Wstringop-overflow; a false positive other projects met too) at
-/// calls with many arguments; silenced here, for the inlined apply only, instead of at each caller.
+/// qkv's calls; silenced here, for the inlined apply only, instead of at each caller.
+/// GCC 14 keeps some of those applies out of line (rope.cpp, activation.cpp), where the pragma
+/// does not reach them; flatten has it inline them here. Other compilers do not warn and keep
+/// their own inlining choice.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Warray-bounds"
 #pragma GCC diagnostic ignored "-Wstringop-overflow"
 #endif
 template <typename Function, typename... Args>
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 14
+__attribute__((flatten))
+#endif
 decltype(auto) apply_autograd_function(Args&&... args) {
   return Function::apply(std::forward<Args>(args)...);
 }
