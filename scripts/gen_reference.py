@@ -17,7 +17,7 @@ each group of query heads, RoPE as Hugging Face's LLaMA writes it (cat(θ, θ) a
 is checked here against the loop reference (without RoPE) and, where the installed torch has it,
 against F.scaled_dot_product_attention(enable_gqa=True).
 
-Run with the interpreter that has PyTorch:  /usr/bin/python3 scripts/gen_reference.py [--decoder-only | --check-only]
+Run with the interpreter that has PyTorch:  /usr/bin/python3 scripts/gen_reference.py [--decoder-only | --interop-only | --check-only]
 The files are small and committed; the C++ tests never need Python.
 """
 import collections
@@ -244,7 +244,39 @@ def interop_cases():
                 "output_seq_first": seq_first(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1),
                                               need_weights=False)[0].detach()},
                os.path.join(DATA, "interop_mha_io.pt"))
+    mha_with_other_widths()
     print("wrote tests/data/interop_*.pt")
+
+
+def mha_with_other_widths():
+    """nn.MultiheadAttention whose keys and values have other widths (kdim, vdim): its weights are
+    q_proj_weight, k_proj_weight and v_proj_weight instead of one in_proj_weight. One module with
+    kdim == vdim and biases, one with kdim != vdim, no biases and a key_padding_mask (PyTorch's
+    polarity: True = padding), and one with add_bias_kv, whose bias_k and bias_v qkv refuses."""
+    torch.manual_seed(22)
+    cross = nn.MultiheadAttention(16, 4, kdim=8, vdim=8, batch_first=True)
+    with torch.no_grad():
+        cross.in_proj_bias.uniform_(-0.5, 0.5)
+        cross.out_proj.bias.uniform_(-0.5, 0.5)
+    assert not cross._qkv_same_embed_dim and "q_proj_weight" in cross.state_dict()
+    x, context = torch.randn(2, 5, 16), torch.randn(2, 7, 8)
+    torch.save(dict(cross.state_dict()), os.path.join(DATA, "interop_mha_cross_weights.pt"))
+    torch.save({"generated_by": GENERATOR, "query": x, "context": context,
+                "output": cross(x, context, context, need_weights=False)[0].detach()},
+               os.path.join(DATA, "interop_mha_cross_io.pt"))
+
+    widths = nn.MultiheadAttention(16, 4, kdim=8, vdim=12, bias=False, batch_first=True)
+    key, value = torch.randn(2, 7, 8), torch.randn(2, 7, 12)
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[1, 4:] = True  # the second batch element's last three keys are padding
+    output, weights = widths(x, key, value, key_padding_mask=padding, average_attn_weights=False)
+    torch.save(dict(widths.state_dict()), os.path.join(DATA, "interop_mha_widths_weights.pt"))
+    torch.save({"generated_by": GENERATOR, "query": x, "key": key, "value": value,
+                "key_padding_mask": padding, "output": output.detach(), "weights": weights.detach()},
+               os.path.join(DATA, "interop_mha_widths_io.pt"))
+
+    bias_kv = nn.MultiheadAttention(16, 4, add_bias_kv=True, batch_first=True)
+    torch.save(dict(bias_kv.state_dict()), os.path.join(DATA, "interop_mha_bias_kv_weights.pt"))
 
 
 def pickle_variants_case():
@@ -429,6 +461,9 @@ def main():
         return
     if "--decoder-only" in sys.argv[1:]:
         decoder_cases()
+        return
+    if "--interop-only" in sys.argv[1:]:
+        interop_cases()
         return
     if "--pickle-variants-only" in sys.argv[1:]:
         pickle_variants_case()

@@ -72,8 +72,6 @@ StateDictLayout detect_layout(const std::map<std::string, torch::Tensor>& tensor
   return StateDictLayout::Documents;
 }
 
-namespace {}  // namespace
-
 // nn.MultiheadAttention's names onto SelfAttention's: in_proj_* is W_q, W_k, W_v stacked.
 std::map<std::string, torch::Tensor> to_documents_layout(const std::map<std::string, torch::Tensor>& tensors,
                                                          const std::string& source) {
@@ -150,9 +148,14 @@ void load_state_dict(SelfAttention& module, const std::map<std::string, torch::T
                      const std::string& source) {
   const auto layout = detect_layout(tensors);
   if (layout == StateDictLayout::MultiheadAttention) {
-    load_checked(*module, to_documents_layout(tensors, source), source, layout,
-                 "(nn.MultiheadAttention weights need SelfAttentionOptions(E).num_heads(H).out_proj(true) and bias "
-                 "matching the Python module's.)");
+    std::string hint =
+        "(nn.MultiheadAttention weights need SelfAttentionOptions(E).num_heads(H).out_proj(true), and bias, kdim "
+        "and vdim as the Python module's.";
+    // add_bias_kv=True appends learned rows to K and V, which qkv's module does not have.
+    if (tensors.count("bias_k") || tensors.count("bias_v")) {
+      hint += " bias_k and bias_v come from add_bias_kv=True, which qkv does not support.";
+    }
+    load_checked(*module, to_documents_layout(tensors, source), source, layout, hint + ")");
   } else {
     load_checked(*module, tensors, source, layout,
                  "(With grouped-query heads, W_k and W_v are (num_kv_heads * head width, kdim): set num_kv_heads to "

@@ -50,6 +50,47 @@ TEST(StateDict, MultiheadAttentionFromPythonBatchFirstAndSequenceFirst) {
   EXPECT_TRUE(qkv_test::tensors_close(seq_first, data.tensor("output_seq_first"), 1e-6));
 }
 
+// nn.MultiheadAttention with kdim or vdim other than embed_dim saves q_proj_weight, k_proj_weight and
+// v_proj_weight (and in_proj_bias stacked, where it has biases) instead of one in_proj_weight.
+TEST(StateDict, MultiheadAttentionWithOtherKeyAndValueWidthsFromPython) {
+  torch::NoGradGuard no_grad;
+  {
+    qkv::SelfAttention cross(qkv::SelfAttentionOptions(16).num_heads(4).out_proj(true).kdim(8).vdim(8));
+    qkv::load_state_dict(cross, qkv_test::data_path("interop_mha_cross_weights.pt"));
+    const auto data = io("mha_cross");
+    EXPECT_TRUE(
+        qkv_test::tensors_close(cross(data.tensor("query"), data.tensor("context")), data.tensor("output"), 1e-6));
+  }
+  // kdim != vdim, no biases, and PyTorch's key_padding_mask (true = padding), the opposite of
+  // qkv's key_mask (true = a real key).
+  qkv::SelfAttention widths(qkv::SelfAttentionOptions(16).num_heads(4).out_proj(true).kdim(8).vdim(12).bias(false));
+  qkv::load_state_dict(widths, qkv_test::data_path("interop_mha_widths_weights.pt"));
+  const auto data = io("mha_widths");
+  const auto result =
+      widths->attend(data.tensor("query"), data.tensor("key"), data.tensor("value"),
+                     qkv::AttentionMask::from_key_mask(data.tensor("key_padding_mask").logical_not()), true);
+  EXPECT_TRUE(qkv_test::tensors_close(result.output, data.tensor("output"), 1e-6));
+  EXPECT_TRUE(qkv_test::tensors_close(result.weights, data.tensor("weights"), 1e-6));
+}
+
+TEST(StateDict, MultiheadAttentionWeightsThatDoNotFitSayWhichOptionsToSet) {
+  torch::manual_seed(5);
+  // The cross-attention weights into a module built for self-attention: W_k and W_v are too wide.
+  qkv::SelfAttention self_attention(qkv::SelfAttentionOptions(16).num_heads(4).out_proj(true));
+  const auto before = snapshot(self_attention);
+  EXPECT_THAT(
+      [&] { qkv::load_state_dict(self_attention, qkv_test::data_path("interop_mha_cross_weights.pt")); },
+      ThrowsMessage<c10::Error>(AllOf(HasSubstr("W_k.weight is [16, 8], the module's is [16, 16]"),
+                                      HasSubstr("W_v.weight is [16, 8], the module's is [16, 16]"),
+                                      HasSubstr("nothing was loaded"), HasSubstr("kdim and vdim"))));
+  expect_unchanged(self_attention, before);
+  // add_bias_kv=True: bias_k and bias_v have no place in qkv's module.
+  EXPECT_THAT([&] { qkv::load_state_dict(self_attention, qkv_test::data_path("interop_mha_bias_kv_weights.pt")); },
+              ThrowsMessage<c10::Error>(AllOf(HasSubstr("Unexpected: bias_k, bias_v"),
+                                              HasSubstr("add_bias_kv=True, which qkv does not support"))));
+  expect_unchanged(self_attention, before);
+}
+
 // torch.save(model.state_dict()): an OrderedDict with _metadata, which no LibTorch reads; qkv's
 // own reader of the pickle (src/pickle_reader.cpp) does.
 TEST(StateDict, OrderedDictFromStateDictIsRead) {
