@@ -1,7 +1,7 @@
 // Linear layers on oneDNN's GEMM (src/linear.h, src/kernels/linear/onednn_gemm.h) against a
 // float64 at::linear of the same values: the output and the gradients of the input, the weight and
 // the bias, for inputs and weights as views with every layout the route accepts or normalises
-// (contiguous, transposed, sliced, broadcast), odd sizes, with and without bias; second-order
+// (contiguous, transposed, sliced, of no unit stride, broadcast), odd sizes, with and without bias; second-order
 // gradients; the bfloat16 route under CPU autocast against float64 of the bfloat16-rounded
 // operands, and its rounding against c10::BFloat16's; and what stays on LibTorch's route (float64,
 // a 1-D input, small products). Also the MLP's GELU on bfloat16 (src/activation.h).
@@ -44,6 +44,7 @@ namespace {
 
 using qkv::kernels::linear::LinearGemmChoice;
 using qkv::kernels::linear::OneDnnGemm;
+using qkv_test::max_abs;
 using qkv_test::relative_error;
 using qkv_test::tolerance_for;
 
@@ -92,13 +93,14 @@ bool graph_has(const torch::Tensor& y, const std::string& name) {
 }
 
 // The layouts an operand can come in: the same values, stored differently.
-enum class OperandLayout { Contiguous, Transposed, Sliced, Expanded };
+enum class OperandLayout { Contiguous, Transposed, Sliced, Strided, Expanded };
 
 const char* operand_layout_name(OperandLayout layout) {
   switch (layout) {
     case OperandLayout::Contiguous: return "contiguous";
     case OperandLayout::Transposed: return "transposed";
     case OperandLayout::Sliced: return "sliced";
+    case OperandLayout::Strided: return "every other column";
     case OperandLayout::Expanded: return "expanded";
   }
   return "?";
@@ -116,6 +118,14 @@ torch::Tensor linear_operand_as(const torch::Tensor& values, OperandLayout layou
       auto wide = torch::zeros(sizes, values.options());
       wide.narrow(-1, 2, values.size(-1)).copy_(values);
       leaf = wide.narrow(-1, 2, values.size(-1));
+      break;
+    }
+    case OperandLayout::Strided: {  // no unit stride in either dimension
+      auto sizes = values.sizes().vec();
+      sizes.back() *= 2;
+      auto wide = torch::zeros(sizes, values.options());
+      leaf = wide.slice(-1, 1, sizes.back(), 2);
+      leaf.copy_(values);
       break;
     }
     case OperandLayout::Expanded: leaf = values.clone(); break;
@@ -284,7 +294,8 @@ TEST(Linear, MatchesFloat64OverLayoutsAndSizes) {
   for (const auto& s : {Shape{2, 5, 3, 7}, Shape{1, 1, 1, 1}, Shape{3, 33, 17, 65}, Shape{2, 64, 128, 384},
                         Shape{1, 130, 257, 31}, Shape{2, 40, 96, 161}, Shape{1, 4, 512, 256}}) {
     for (auto x_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced, OperandLayout::Expanded}) {
-      for (auto w_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced}) {
+      for (auto w_layout :
+           {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced, OperandLayout::Strided}) {
         for (bool bias : {true, false}) {
           SCOPED_TRACE(testing::Message() << "x (" << s.batch << ", " << s.rows << ", " << s.in << ") "
                                           << operand_layout_name(x_layout) << ", W (" << s.out << ", " << s.in << ") "
@@ -296,22 +307,32 @@ TEST(Linear, MatchesFloat64OverLayoutsAndSizes) {
           const auto probe = torch::randn({expanded ? 3 : s.batch, s.rows, s.out});
 
           const auto x = linear_operand_as(x_values, x_layout), w = linear_operand_as(w_values, w_layout);
-          const auto b = bias ? linear_operand_as(b_values, OperandLayout::Contiguous) : torch::Tensor();
+          // A bias of stride 2 beside the weight of no unit stride.
+          const auto b_layout = w_layout == OperandLayout::Strided ? OperandLayout::Strided : OperandLayout::Contiguous;
+          const auto b = bias ? linear_operand_as(b_values, b_layout) : torch::Tensor();
           const auto got = run(qkv::detail::linear, x, w, b, probe, expanded);
 
           const auto x64 = x_values.to(torch::kDouble).requires_grad_(true);
           const auto w64 = w_values.to(torch::kDouble).requires_grad_(true);
           const auto b64 = bias ? b_values.to(torch::kDouble).requires_grad_(true) : torch::Tensor();
-          const auto want = run([](auto&&... a) { return torch::linear(a...); }, x64, w64, b64,
-                                probe.to(torch::kDouble), expanded);
+          const auto linear64 = [](auto&&... a) { return torch::linear(a...); };
+          const auto want = run(linear64, x64, w64, b64, probe.to(torch::kDouble), expanded);
+          // The same sums of the terms' magnitudes: a sum's rounding error is bounded by its terms'
+          // size, not its own (Higham, ch. 3), which cancellation can make as small as it likes (a
+          // gradient of one element summed over three broadcast copies).
+          const auto magnitude = [](const torch::Tensor& t) {
+            return t.defined() ? t.abs().to(torch::kDouble).requires_grad_(true) : torch::Tensor();
+          };
+          const auto terms = run(linear64, magnitude(x_values), magnitude(w_values),
+                                 bias ? magnitude(b_values) : torch::Tensor(), probe.abs().to(torch::kDouble), expanded);
 
           // Each result is a sum over K = in (y, grad_x... over out), the weight's over the rows.
           const auto tolerance = tolerance_for(torch::kFloat, std::max({s.in, s.out, s.batch * s.rows * 3}));
-          EXPECT_LT(relative_error(got.y, want.y), tolerance);
-          EXPECT_LT(relative_error(got.grad_x, want.grad_x), tolerance);
-          EXPECT_LT(relative_error(got.grad_w, want.grad_w), tolerance);
+          EXPECT_LT(relative_error(got.y, want.y, max_abs(terms.y)), tolerance);
+          EXPECT_LT(relative_error(got.grad_x, want.grad_x, max_abs(terms.grad_x)), tolerance);
+          EXPECT_LT(relative_error(got.grad_w, want.grad_w, max_abs(terms.grad_w)), tolerance);
           if (bias) {
-            EXPECT_LT(relative_error(got.grad_b, want.grad_b), tolerance);
+            EXPECT_LT(relative_error(got.grad_b, want.grad_b, max_abs(terms.grad_b)), tolerance);
           }
 
           // The route the rule names ran (either would pass the checks above).
@@ -500,7 +521,7 @@ TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
                         Shape{1, 1100, 40, 48}}) {
     const bool large = s.batch * s.rows * s.in * s.out >= qkv::detail::kGemmRouteFromMultiplyAdds;
     for (auto x_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Sliced}) {
-      for (auto w_layout : {OperandLayout::Contiguous, OperandLayout::Transposed}) {
+      for (auto w_layout : {OperandLayout::Contiguous, OperandLayout::Transposed, OperandLayout::Strided}) {
         for (auto x_dtype : {torch::kFloat, torch::kBFloat16}) {
           for (bool bias : {true, false}) {
             SCOPED_TRACE(testing::Message() << "x (" << s.batch << ", " << s.rows << ", " << s.in << ") "
@@ -513,7 +534,10 @@ TEST(Linear, Bfloat16AutocastMatchesFloat64OfRoundedOperands) {
             const auto probe = torch::randn({s.batch, s.rows, s.out});
             const auto x = linear_operand_as(x_values.to(x_dtype), x_layout);
             const auto w = linear_operand_as(w_values, w_layout);
-            const auto b = bias ? linear_operand_as(b_values, OperandLayout::Contiguous) : torch::Tensor();
+            // A bias of stride 2 beside the weight of no unit stride.
+            const auto b_layout =
+                w_layout == OperandLayout::Strided ? OperandLayout::Strided : OperandLayout::Contiguous;
+            const auto b = bias ? linear_operand_as(b_values, b_layout) : torch::Tensor();
             torch::Tensor y;
             {
               qkv::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
