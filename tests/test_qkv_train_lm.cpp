@@ -324,6 +324,13 @@ TEST(LanguageModel, GenerationNeedsOnlyTheRunFolder) {
   const std::string generate = "--generate --resume " + out.string() + " --max-new-tokens 20 --temperature 0 --json";
   const auto before = train(generate);
   ASSERT_EQ(before.exit_code, 0) << before.output;
+  // The run's model.pt (its final weights, as the checkpoint's) with the vocab.json beside it, and
+  // no --task: --generate is lm's.
+  const auto from_weights =
+      train("--generate --init-weights " + (out / "model.pt").string() + " --max-new-tokens 20 --temperature 0 --json");
+  ASSERT_EQ(from_weights.exit_code, 0) << from_weights.output;
+  EXPECT_EQ(nlohmann::json::parse(from_weights.output)["text"], nlohmann::json::parse(before.output)["text"]);
+  EXPECT_EQ(nlohmann::json::parse(from_weights.output)["weights"], (out / "model.pt").string());
   fs::remove(text);  // the training text is gone
   // Another run's model.pt (another shape) in the folder: a stale file, not the checkpoint's weights.
   ASSERT_EQ(train("--task lm --data " + kExcerpt + " --device cpu --d-model 16 --heads 2 --layers 1 --seq-len 16 "
@@ -387,6 +394,16 @@ TEST(LanguageModel, BadInputsAreClearErrorsWithStatus2) {
   const auto model = fresh_dir("lm_bad_model");
   ASSERT_EQ(train(kSmallLm + "--steps 2 --out " + model.string()).exit_code, 0);
   const std::string generate = "--generate --resume " + model.string() + " ";
+  // Weights whose vocab.json is missing, not JSON, or without a vocabulary.
+  for (const char* folder : {"lonely", "not_json", "no_vocabulary"}) {
+    fs::create_directories(dir / folder);
+    fs::copy_file(model / "model.pt", dir / folder / "model.pt");
+  }
+  write(dir / "not_json" / "vocab.json", "{");
+  write(dir / "no_vocabulary" / "vocab.json", "{\"model\": {}}");
+  const auto from_weights = [&](const char* folder) {
+    return "--generate --init-weights " + (dir / folder / "model.pt").string();
+  };
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--task lm --data " + (dir / "missing.txt").string(), "--data"},
       {"--task lm --data " + (dir / "empty.txt").string(), "the file is empty"},
@@ -395,6 +412,9 @@ TEST(LanguageModel, BadInputsAreClearErrorsWithStatus2) {
       {generate + "--prompt 'zebra ~~ \xe2\x82\xac'", "characters outside the model's vocabulary"},
       {generate + "--top-k 0", "--top-k"},
       {"--task lm --generate", "--generate needs a trained model"},
+      {from_weights("lonely"), "expected " + (dir / "lonely" / "vocab.json").string()},
+      {from_weights("not_json"), "vocab.json is not valid JSON"},
+      {from_weights("no_vocabulary"), "vocab.json holds no vocabulary"},
       {"--task lm --causal", "--causal is not an option of --task lm"},
   };
   for (const auto& [arguments, message] : cases) {

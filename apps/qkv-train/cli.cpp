@@ -112,6 +112,15 @@ std::string joined(const std::vector<std::string>& items) {
   return text;
 }
 
+// The task --generate belongs to: the one task that reads it (lm), so that `--generate
+// --init-weights FILE` needs no --task (with --resume the checkpoint names its task).
+std::string task_that_generates() {
+  for (const auto& task : task_registry()) {
+    if (std::find(task.flags.begin(), task.flags.end(), "--generate") != task.flags.end()) return task.name;
+  }
+  throw UsageError("--generate: no task samples text");
+}
+
 }  // namespace
 
 std::string distributed_option_problem(const RunConfig& config, int world_size) {
@@ -278,6 +287,8 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config,
       checkpoint.emplace(config.resume_dir);
       saved = checkpoint->state().options;
       if (app.count("--task") == 0 && saved.contains("task")) config.task = saved.at("task").get<std::string>();
+    } else if (app.count("--task") == 0 && config.generate) {
+      config.task = task_that_generates();  // --generate --init-weights FILE: the one task that samples
     }
   } catch (const UsageError& e) {
     return usage_error(e.what());
