@@ -122,8 +122,7 @@ int main(int argc, char** argv) {
                                      "Run the module (SelfAttention or TransformerBlock) on "
                                      "INPUT[\"query\"] and write {\"output\": ...}");
   forward->add_option("WEIGHTS", in, "Weights file")->required()->check(CLI::ExistingFile);
-  // LibTorch 1.13 cannot unpickle a one-entry dict (opcode SETITEM): add any second entry.
-  forward->add_option("INPUT", input, "torch.save'd dict with \"query\" (and optional \"context\"), 2+ entries")
+  forward->add_option("INPUT", input, "torch.save'd dict with \"query\" (and optional \"context\")")
       ->required()
       ->check(CLI::ExistingFile);
   forward->add_option("OUTPUT", output, "Output file (torch.load reads it)")->required();
