@@ -274,10 +274,11 @@ TEST(Tiled, BFloat16MatchesFloat64Math) {
   }
 }
 
-// With fewer key/value heads than threads (B = 1, Hkv = 1) the backward splits each head's keys
-// into parts run as separate tasks, each with a partial dQ summed at the end: every gradient,
-// the learned mask's included, against the math path in float64, causal (uneven work per key
-// block), windowed, with key lengths, GQA, bfloat16, and dropout with the kernel's mask.
+// Where whole heads would leave threads idle (B = 1, Hkv = 1; or 3 key/value heads on 2 threads)
+// the backward splits each head's keys into parts run as separate tasks, each with a partial dQ
+// summed at the end: every gradient, the learned mask's included, against the math path in
+// float64, causal (uneven work per key block), windowed, with key lengths, GQA, bfloat16, and
+// dropout with the kernel's mask.
 TEST(Tiled, BackwardSplitOverKeysMatchesTheMathPath) {
   const qkv_test::ThreadCount thread_count(std::max(at::get_num_threads(), 2));
   torch::manual_seed(21);
@@ -286,22 +287,25 @@ TEST(Tiled, BackwardSplitOverKeysMatchesTheMathPath) {
     const char* name;
     bool causal;
     c10::optional<int64_t> window;
-    int64_t H;
+    int64_t H, Hkv;
     bool learned_mask, key_lengths;
     torch::ScalarType dtype;
   };
-  for (const auto& variant : {Variant{"plain", false, c10::nullopt, 1, false, false, torch::kDouble},
-                              Variant{"causal", true, c10::nullopt, 1, false, false, torch::kDouble},
-                              Variant{"window 200", true, 200, 1, false, false, torch::kDouble},
-                              Variant{"GQA, key lengths, learned mask", false, c10::nullopt, 2, true, true,
-                                      torch::kDouble},
-                              Variant{"bfloat16 causal", true, c10::nullopt, 1, false, false, torch::kBFloat16}}) {
+  for (const auto& variant :
+       {Variant{"plain", false, c10::nullopt, 1, 1, false, false, torch::kDouble},
+        Variant{"causal", true, c10::nullopt, 1, 1, false, false, torch::kDouble},
+        Variant{"window 200", true, 200, 1, 1, false, false, torch::kDouble},
+        Variant{"GQA, key lengths, learned mask", false, c10::nullopt, 2, 1, true, true, torch::kDouble},
+        Variant{"bfloat16 causal", true, c10::nullopt, 1, 1, false, false, torch::kBFloat16},
+        Variant{"3 heads (split in two on 2 threads), causal, learned mask", true, c10::nullopt, 3, 3, true, false,
+                torch::kDouble},
+        Variant{"3 heads, bfloat16", false, c10::nullopt, 3, 3, false, false, torch::kBFloat16}}) {
     SCOPED_TRACE(variant.name);
     auto options = qkv::ScaledDotProductAttentionOptions().causal(variant.causal).window(variant.window).enable_gqa(
-        variant.H > 1);
+        variant.H > variant.Hkv);
     const auto q = torch::randn({1, variant.H, N, D}, torch::kDouble).to(variant.dtype);
-    const auto k = torch::randn({1, 1, S, D}, torch::kDouble).to(variant.dtype);
-    const auto v = torch::randn({1, 1, S, D}, torch::kDouble).to(variant.dtype);
+    const auto k = torch::randn({1, variant.Hkv, S, D}, torch::kDouble).to(variant.dtype);
+    const auto v = torch::randn({1, variant.Hkv, S, D}, torch::kDouble).to(variant.dtype);
     const auto upstream = torch::randn({1, variant.H, N, D}, torch::kDouble).to(variant.dtype);
     torch::Tensor bias;
     if (variant.key_lengths) options.key_lengths(torch::tensor({S - 100}, torch::kLong));

@@ -1,6 +1,7 @@
 // The tiled kernel's backward pass. Each task owns one key/value head (and so the dK, dV of all
-// its keys and the dQ of the G query heads that share it), or, with fewer heads than threads, a
-// part of its keys (their dK, dV, and a partial dQ summed at the end); for every key block it
+// its keys and the dQ of the G query heads that share it), or, where whole heads would leave
+// threads idle (fewer heads than threads, 3 on 2), a part of its keys (their dK, dV, and a partial
+// dQ summed at the end); for every key block it
 // recomputes the probabilities P = exp((S - m) - log l) block by block from the forward's row
 // statistics (kernel.h), or reads them where the forward kept them (keeps_probabilities), and
 // accumulates
@@ -33,10 +34,27 @@ namespace qkv::kernels::tiled {
 
 namespace {
 
-// How the backward splits each key/value head's keys into parts run as separate tasks: one part
-// while there are at least as many heads (B · Hkv) as threads, else enough parts to give every
-// thread work, cut at key blocks where the work (the rows that see each block: fewer for later
-// blocks when causal, a band with a window) is about equal.
+// How many parts to cut each of `heads` heads into (at most `blocks`, its key blocks) so that
+// `threads` finish together. Tasks go to the threads as they free up, so heads · parts tasks of
+// about equal work take ceil(heads · parts / threads) rounds of 1/parts of a head each: 3 heads on
+// 2 threads take 2 heads' time whole and 1.5 cut in two, 1 head on 2 threads 1 whole and 0.5 cut
+// in two. The fewest parts that come within 5% of the best: each part costs a partial dQ to sum
+// and its own packing of Q and dO.
+int64_t parts_per_head(int64_t heads, int64_t threads, int64_t blocks) {
+  const auto span = [&](int64_t parts) {  // in heads' time
+    return static_cast<double>((heads * parts + threads - 1) / threads) / static_cast<double>(parts);
+  };
+  int64_t best = 1;
+  for (int64_t parts = 2; parts <= std::min(blocks, threads); ++parts) {
+    if (span(parts) < 0.95 * span(best)) best = parts;
+  }
+  return best;
+}
+
+// How the backward splits each key/value head's keys into parts run as separate tasks: as many as
+// parts_per_head says (one where B · Hkv is a multiple of the threads or far above them), cut at
+// key blocks where the work (the rows that see each block: fewer for later blocks when causal, a
+// band with a window) is about equal.
 class KeySplit {
  public:
   template <typename acc_t>
@@ -45,8 +63,7 @@ class KeySplit {
     const int64_t heads = p.B * p.Hkv, threads = at::get_num_threads();
     // Small heads (decoding) stay whole: a part must be worth a thread.
     const bool small = tasks_per_chunk(p, p.groups() * p.N) > 1;
-    const int64_t parts =
-        heads >= threads || blocks < 2 || small ? 1 : std::min(blocks, (threads + heads - 1) / heads);
+    const int64_t parts = blocks < 2 || small ? 1 : parts_per_head(heads, threads, blocks);
     // Work of each key block: the query rows that can see it.
     std::vector<double> prefix(static_cast<size_t>(blocks + 1), 0.0);
     for (int64_t block = 0; block < blocks; ++block) {
