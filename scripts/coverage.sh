@@ -15,15 +15,10 @@ build="$root/build-coverage"
 command -v gcovr > /dev/null || { echo "coverage.sh: needs gcovr (Debian: apt-get install gcovr)" >&2; exit 2; }
 [[ $# -eq 0 ]] || { echo "coverage.sh: takes no arguments, got '$*'" >&2; exit 2; }
 
-# scripts/build.sh's settings, with coverage at -O1 instead of -O3.
-generator=()
-command -v ninja > /dev/null && generator=(-G Ninja)
-if [[ ! -f "$build/CMakeCache.txt" ]]; then
-  cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON \
-    -DCMAKE_CXX_FLAGS=--coverage "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" -DCMAKE_EXE_LINKER_FLAGS=--coverage \
-    -DCMAKE_SHARED_LINKER_FLAGS=--coverage
-fi
-cmake --build "$build" -j "$(nproc)"
+# scripts/build.sh's build (unity, Ninja where there is one) with coverage at -O1 instead of -O3:
+# CMake takes its first CXXFLAGS and LDFLAGS from the environment.
+CXXFLAGS="--coverage -DNDEBUG" LDFLAGS=--coverage QKV_BUILD_DIR="$build" \
+  QKV_CMAKE_ARGS="-DCMAKE_CXX_FLAGS_RELEASE=-O1" "$root/scripts/build.sh"
 cd "$build"
 find . -name '*.gcda' -delete  # counts from this run only
 

@@ -48,7 +48,8 @@ TEST(WeightsApp, InspectsRunsAndConvertsMultiheadAttentionWeights) {
   EXPECT_THAT(inspect.output, ::testing::ContainsRegex("k_proj_weight +\\[16, 8\\] +Float"));
   EXPECT_THAT(inspect.output, ::testing::ContainsRegex("in_proj_bias +\\[48\\] +Float"));
 
-  const auto expected = qkv_test::Fixture("interop_mha_cross_io.pt").tensor("output");
+  const qkv_test::Fixture data("interop_mha_cross_io.pt");
+  const auto expected = data.tensor("output");
   const auto output = (dir / "output.pt").string(), converted = (dir / "converted.pt").string();
   auto forward = qkv_test::run_command(tool + " forward " + weights + " " + inputs + " " + output + " --heads 4",
                                        /*merge_stderr=*/true);
@@ -62,7 +63,6 @@ TEST(WeightsApp, InspectsRunsAndConvertsMultiheadAttentionWeights) {
   EXPECT_EQ(qkv::detect_layout(tensors), qkv::StateDictLayout::Documents);
   qkv::SelfAttention module(qkv::SelfAttentionOptions(16).num_heads(4).out_proj(true).kdim(8).vdim(8));
   qkv::load_state_dict(module, tensors, converted);
-  const qkv_test::Fixture data("interop_mha_cross_io.pt");
   torch::NoGradGuard no_grad;
   EXPECT_TRUE(qkv_test::tensors_close(module(data.tensor("query"), data.tensor("context")), expected, 1e-6));
   std::filesystem::remove_all(dir);
