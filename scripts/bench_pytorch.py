@@ -55,26 +55,50 @@ class SelfAttention(nn.Module):
         return out.transpose(-3, -2).reshape(*lead, n, e)
 
 
-def attention(q, k, v, causal, use_sdpa, dropout=0.0, window=0):
+def core_mask(case, device, dtype, backward):
+    """A core case's mask, as qkv-bench's core_mask builds it (true = attend):
+    "key_padding": bool (B, 1, 1, S), every other batch row's last quarter of keys padded;
+    "learned_bias": float (1, H, N, S) added to the scores and trained (its gradient taken);
+    "fixed_bias": the same, not trained (ALiBi's)."""
+    batch, n = max(case["batch"], 1), case["seq_len"]
+    kind = case.get("mask")
+    if kind == "key_padding":
+        lengths = torch.full((batch,), n, dtype=torch.long, device=device)
+        lengths[1::2] = n - n // 4
+        return (torch.arange(n, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(batch, 1, 1, n)
+    if kind in ("learned_bias", "fixed_bias"):
+        bias = 0.1 * torch.randn(1, case["heads"], n, n, device=device, dtype=dtype)
+        return bias.requires_grad_(backward and kind == "learned_bias")
+    if kind:
+        raise ValueError(f"case {case['name']}: unknown mask {kind!r}")
+    return None
+
+
+def attention(q, k, v, causal, use_sdpa, dropout=0.0, window=0, mask=None):
     groups = q.size(-3) // k.size(-3)
     if groups > 1:  # grouped-query heads: each key/value head serves `groups` query heads
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
-    band = None
-    if window:  # a sliding window: PyTorch has none of its own on the CPU, so a band mask (true = attend)
+    # PyTorch has no sliding window on the CPU, and its sdpa takes is_causal or a mask, not both:
+    # such cases get one mask (true = attend; a floating mask gets -inf where not).
+    structure = None
+    if window or (causal and mask is not None):
         positions = torch.arange(q.size(-2), device=q.device)
         offsets = positions.unsqueeze(1) - positions.unsqueeze(0)  # i - j
-        band = (offsets >= 0) & (offsets < window)
+        structure = (offsets >= 0) & (offsets < window) if window else offsets >= 0
+    if mask is None or structure is None:
+        combined = structure if mask is None else mask
+    else:
+        combined = mask & structure if mask.dtype == torch.bool else mask.masked_fill(~structure, float("-inf"))
     if use_sdpa:
-        if band is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout)
+        if combined is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=combined, dropout_p=dropout)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
     scores = q @ k.transpose(-2, -1) / (k.size(-1) ** 0.5)
-    if band is not None:
-        scores = scores.masked_fill(~band, float("-inf"))
+    if combined is not None:
+        scores = scores.masked_fill(~combined, float("-inf")) if combined.dtype == torch.bool else scores + combined
     elif causal:
         n = q.size(-2)
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return F.dropout(F.softmax(scores, dim=-1), dropout) @ v
 
 
@@ -198,14 +222,17 @@ def make_iteration(case, impl, device):
         k, v = (torch.randn(kv_shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(2))
         grad_output = torch.randn(shape, device=device, dtype=dtype)
         causal, dropout, window = case.get("causal", False), case.get("dropout", 0.0), case.get("window", 0)
+        mask = core_mask(case, device, dtype, backward)
 
         def core():
             if not backward:
                 with torch.no_grad():
-                    attention(q, k, v, causal, use_sdpa, window=window)
+                    attention(q, k, v, causal, use_sdpa, window=window, mask=mask)
                 return
             q.grad = k.grad = v.grad = None
-            attention(q, k, v, causal, use_sdpa, dropout, window).backward(grad_output)
+            if mask is not None:
+                mask.grad = None
+            attention(q, k, v, causal, use_sdpa, dropout, window, mask).backward(grad_output)
 
         return core
 
@@ -285,7 +312,7 @@ def implementations(case, requested=None):
 
 def shrunk(case):
     """The case at a size that runs in milliseconds, its structure kept (kind, dtype, heads and
-    grouped heads, causal, window, dropout, autocast): what --smoke runs. The same shrinking as
+    grouped heads, causal, window, mask, dropout, autocast): what --smoke runs. The same shrinking as
     qkv-bench --smoke's."""
     small = dict(case, batch=min(case["batch"], 2), seq_len=min(case["seq_len"], 16))
     if "head_dim" in case:

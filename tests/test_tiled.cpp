@@ -6,6 +6,7 @@
 #include "support/fixtures.h"
 
 #include "kernels/tiled/kernel.h"
+#include "kernels/tiled/operands.h"
 #include "kernels/tiled/task_queue.h"
 #include "kernels/tiled/tiled_cpu.h"
 
@@ -814,6 +815,74 @@ TEST(Tiled, ResultsDoNotDependOnWhichThreadRanATask) {
     const double tolerance = qkv_test::tolerance_for(dtype, S);
     expect_same(first, math, tolerance, "against float64 math");
     EXPECT_TRUE(qkv_test::tensors_close(first_bias_grad.to(torch::kDouble), math_bias_grad, tolerance));
+  }
+}
+
+// A boolean mask that only pads keys (true for the first L_b keys of each batch row, the same for
+// every head and query) reaches the kernel as key lengths (operands.cpp), skipped instead of masked
+// key by key; any other boolean mask stays a mask. Both against the math path in float64, with
+// every gradient: lengths of 0, 1, part and all of S, over one and two key blocks, with causal
+// rows, a window, grouped heads, given key_lengths (the least of the two counts), and masks seen
+// through a strided view or broadcast from (S,).
+TEST(Tiled, PaddingMasksBecomeKeyLengthsAndMatchTheMathPath) {
+  const int64_t B = 4, Hkv = 2, N = 70;
+  for (const int64_t S : {int64_t{90}, int64_t{300}}) {
+    const auto lengths = torch::tensor({S, S - 3, int64_t{0}, int64_t{1}}, torch::kLong);
+    const auto padding = torch::arange(S).unsqueeze(0).lt(lengths.unsqueeze(1));  // (B, S)
+    // The same mask read through every second column of a wider one.
+    auto wide = torch::zeros({B, 2 * S}, torch::kBool);
+    wide.slice(1, 0, 2 * S, 2).copy_(padding);
+    auto not_padding = padding.clone();
+    not_padding[0][S / 2] = false;  // a hole: keys allowed after a masked one
+    auto per_head = padding.view({B, 1, 1, S}).expand({B, Hkv, 1, S}).clone();
+    per_head[0][1][0].slice(0, S - 5).fill_(false);  // a padding of its own in one head
+    struct Variant {
+      std::string name;
+      torch::Tensor mask, given_lengths;
+      bool causal = false, grouped = false;
+      c10::optional<int64_t> window;
+      torch::Tensor expected_lengths;  // undefined: the mask must stay a mask
+    };
+    const std::vector<Variant> variants{
+        {"padding (B, 1, 1, S)", padding.view({B, 1, 1, S}), {}, false, false, {}, lengths},
+        {"strided view", wide.slice(1, 0, 2 * S, 2).view({B, 1, 1, S}), {}, false, false, {}, lengths},
+        {"causal, grouped heads", padding.view({B, 1, 1, S}), {}, true, true, {}, lengths},
+        {"causal window 17", padding.view({B, 1, 1, S}), {}, true, false, 17, lengths},
+        {"with key_lengths", padding.view({B, 1, 1, S}), torch::tensor({int64_t{5}, S, S, S}), false, false, {},
+         torch::tensor({int64_t{5}, S - 3, int64_t{0}, int64_t{1}})},
+        {"(S,) broadcast", padding[1], {}, false, false, {}, torch::full({B}, S - 3, torch::kLong)},
+        {"a hole: not padding", not_padding.view({B, 1, 1, S}), {}, false, false, {}, {}},
+        {"per head: not padding", per_head, {}, false, false, {}, {}},
+    };
+    for (const auto& variant : variants) {
+      const std::string what = variant.name + " S=" + std::to_string(S);
+      const int64_t H = variant.grouped ? 2 * Hkv : Hkv;
+      torch::manual_seed(S);
+      const auto q = torch::randn({B, H, N, 16}, torch::kDouble), k = torch::randn({B, Hkv, S, 16}, torch::kDouble),
+                 v = torch::randn({B, Hkv, S, 16}, torch::kDouble), upstream = torch::randn({B, H, N, 16}, torch::kDouble);
+      auto options = qkv::ScaledDotProductAttentionOptions()
+                         .mask(variant.mask)
+                         .causal(variant.causal)
+                         .window(variant.window)
+                         .enable_gqa(variant.grouped);
+      if (variant.given_lengths.defined()) options.key_lengths(variant.given_lengths);
+      const auto [kernel_mask, kernel_lengths] = qkv::kernels::tiled::kernel_conditions(q, k, options, variant.grouped);
+      if (variant.expected_lengths.defined()) {
+        EXPECT_EQ(kernel_mask.numel(), 0) << what;
+        EXPECT_TRUE(kernel_lengths.equal(variant.expected_lengths)) << what << ": " << kernel_lengths;
+      } else {
+        EXPECT_EQ(kernel_mask.dim(), 4) << what;
+        EXPECT_EQ(kernel_lengths.numel(), variant.given_lengths.defined() ? B : 0) << what;
+      }
+      const auto expected = run(q, k, v, upstream, options, AttentionBackend::Math);
+      const auto actual = run(q, k, v, upstream, options, AttentionBackend::Tiled);
+      expect_same(actual, expected, 1e-10, what);
+      // The batch row of length 0 attends to nothing: zero output and zero gradients.
+      if (variant.mask.dim() == 4 && !variant.mask[2].any().item<bool>()) {
+        EXPECT_EQ(qkv_test::max_abs(actual.output[2]), 0.0) << what;
+        EXPECT_EQ(qkv_test::max_abs(actual.grad_k[2]), 0.0) << what;
+      }
+    }
   }
 }
 

@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <functional>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,7 @@ struct Case {
   int64_t batch = 0, seq_len = 0, d_model = 0, heads = 1, head_dim = 0, kv_heads = 0;
   bool causal = false;
   int64_t window = 0;    // core cases: sliding window (causal); 0: none
+  std::string mask;      // core cases: "key_padding" or "learned_bias" (see core_mask); "": none
   double dropout = 0.0;  // core cases: attention dropout while training
   int64_t warmup = 3;    // iterations before timing (1 for the very long cases)
   std::string autocast;  // module cases: "bfloat16" runs the float32 model under autocast (bf16-mixed)
@@ -60,6 +62,7 @@ Case parse_case(const nlohmann::json& j) {
   c.head_dim = j.value("head_dim", c.heads > 0 && c.d_model > 0 ? c.d_model / c.heads : int64_t{0});
   c.causal = j.value("causal", false);
   c.window = j.value("window", int64_t{0});
+  c.mask = j.value("mask", "");
   c.kv_heads = j.value("kv_heads", c.heads);
   c.dropout = j.value("dropout", 0.0);
   c.warmup = j.value("warmup", int64_t{3});
@@ -130,6 +133,26 @@ std::function<void()> make_decoding(const Case& c, const torch::Device& device, 
   };
 }
 
+// A core case's mask, as scripts/bench_pytorch.py builds it:
+// - "key_padding": bool (B, 1, 1, S), true = attend; every other batch row has its last quarter
+//   of keys padded (the padded batches of a data loader);
+// - "learned_bias": float (1, H, N, S) added to the scores and trained (its gradient taken), as a
+//   learned relative-position bias is; "fixed_bias": the same, not trained (ALiBi's).
+torch::Tensor core_mask(const Case& c, const torch::TensorOptions& options, bool backward) {
+  const int64_t batch = std::max<int64_t>(c.batch, 1), n = c.seq_len;
+  if (c.mask == "key_padding") {
+    const auto positions = torch::arange(n, options.dtype(torch::kLong));
+    auto lengths = torch::full({batch}, n, options.dtype(torch::kLong));
+    lengths.index_put_({torch::indexing::Slice(1, torch::indexing::None, 2)}, n - n / 4);
+    return positions.unsqueeze(0).lt(lengths.unsqueeze(1)).view({batch, 1, 1, n});
+  }
+  if (c.mask == "learned_bias" || c.mask == "fixed_bias") {
+    return (0.1 * torch::randn({1, c.heads, n, n}, options)).requires_grad_(backward && c.mask == "learned_bias");
+  }
+  if (!c.mask.empty()) throw std::invalid_argument("case " + c.name + ": unknown mask \"" + c.mask + "\"");
+  return {};
+}
+
 // One iteration of `c`, with everything it needs built once.
 std::function<void()> make_iteration(const Case& c, const torch::Device& device) {
   torch::manual_seed(0);
@@ -148,7 +171,9 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
     auto k = torch::randn(kv_shape, options).requires_grad_(backward);
     auto v = torch::randn(kv_shape, options).requires_grad_(backward);
     auto grad_output = torch::randn(shape, options);
+    auto mask = core_mask(c, options, backward);
     const auto core_options = qkv::ScaledDotProductAttentionOptions()
+                                  .mask(mask)
                                   .causal(c.causal)
                                   .window(c.window > 0 ? c10::optional<int64_t>(c.window) : c10::nullopt)
                                   .enable_gqa(c.kv_heads != c.heads)
@@ -159,6 +184,7 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
       auto out = qkv::scaled_dot_product_attention(q, k, v, core_options).output;
       if (backward) {
         q.mutable_grad() = torch::Tensor(), k.mutable_grad() = torch::Tensor(), v.mutable_grad() = torch::Tensor();
+        if (mask.requires_grad()) mask.mutable_grad() = torch::Tensor();
         out.backward(grad_output);
       }
     };
@@ -200,7 +226,7 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
 }
 
 // The case at a size that runs in milliseconds, its structure kept (kind, dtype, heads and
-// grouped heads, causal, window, dropout, autocast): what --smoke runs. The same shrinking as
+// grouped heads, causal, window, mask, dropout, autocast): what --smoke runs. The same shrinking as
 // scripts/bench_pytorch.py --smoke's for the PyTorch side.
 Case shrunk(Case c) {
   c.batch = std::min<int64_t>(c.batch, 2);

@@ -239,6 +239,20 @@ CaseTensors make_tensors(const AttentionCase& c, c10::optional<torch::ScalarType
 
   auto options = qkv::ScaledDotProductAttentionOptions().causal(c.causal).window(c.window).scale(c.scale).enable_gqa(
       c.H != c.Hkv);
+  // A padding mask as stored before its layout's view: true for a prefix of each row's keys, of
+  // random length (0 to all). The keys run along the stored tensor's last dimension, or the one
+  // before it where a transpose put them there (its last has size 1); every layout's view of such
+  // a prefix is a prefix again (of every second key when sliced with a step).
+  const auto padding = [](c10::IntArrayRef stored) {
+    const auto rank = static_cast<int64_t>(stored.size());
+    const int64_t axis = rank >= 2 && stored[rank - 1] == 1 && stored[rank - 2] > 1 ? rank - 2 : rank - 1;
+    auto length_shape = stored.vec();
+    length_shape[axis] = 1;
+    std::vector<int64_t> position_shape(stored.size(), 1);
+    position_shape[axis] = stored[axis];
+    return torch::arange(stored[axis], torch::kLong).view(position_shape) <
+           torch::randint(0, stored[axis] + 1, length_shape, torch::kLong);
+  };
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   switch (c.mask) {
     case MaskKind::None:
@@ -251,6 +265,7 @@ CaseTensors make_tensors(const AttentionCase& c, c10::optional<torch::ScalarType
     case MaskKind::BoolPairs:
     case MaskKind::BoolBroadcast: {
       auto bools = [&](c10::IntArrayRef leaf_shape) {
+        if (c.mask == MaskKind::BoolKeys && c.seed % 2 == 1) return padding(leaf_shape);
         auto allowed = torch::rand(leaf_shape, torch::kDouble) < 0.7;
         // BoolPairs: a row with no key at all (a fully masked query) wherever the leaf has rows.
         if (c.mask == MaskKind::BoolPairs && leaf_shape.size() >= 2 && leaf_shape[leaf_shape.size() - 2] > 1) {

@@ -74,7 +74,7 @@ const char* to_string(Layout layout);
 enum class MaskKind {
   None,
   KeyLengths,     // options.key_lengths
-  BoolKeys,       // bool (B, 1, 1, S)
+  BoolKeys,       // bool (B, 1, 1, S); for odd seeds a padding mask (a prefix of each row's keys)
   BoolPairs,      // bool (B, H, N, S), some rows fully masked
   BoolBroadcast,  // bool (N, S)
   FloatInf,       // float (N, S) with -inf entries

@@ -104,7 +104,13 @@ struct Problem {
       const int64_t i = i0 + r;
       if (mask.defined()) {
         const int64_t base = b * mask.stride_b + h * mask.stride_h + i * mask.stride_row;
-        if (mask.bools != nullptr) {
+        if (mask.stride_key == 1) {  // a row of the mask in one piece: vector loops (vector_math.h)
+          if (mask.bools != nullptr) {
+            mask_out(row, cols, mask.bools + base + j0);
+          } else {
+            scale_add(row, cols, pending, mask.values + base + j0);
+          }
+        } else if (mask.bools != nullptr) {
           for (int64_t c = 0; c < cols; ++c) {
             if (!mask.bools[base + (j0 + c) * mask.stride_key]) row[c] = kNegInf;
           }

@@ -31,6 +31,29 @@ torch::Tensor as_four_dims(const torch::Tensor& t, bool grouped) {
 
 torch::Tensor readable(const torch::Tensor& t) { return kernel_readable(t) ? t : t.contiguous(); }
 
+// The key lengths of a boolean (B, H, N, S) mask view that only pads keys: the same for every head
+// and query row (stride 0 there), true for the first L_b keys of batch row b and false after them,
+// as key_mask_from_lengths' masks and PyTorch's key_padding_mask (inverted) are. Undefined for
+// any other mask. The kernel skips keys past a length instead of masking them one by one.
+torch::Tensor padding_lengths(const torch::Tensor& mask) {
+  const auto broadcast = [&](int64_t dim) { return mask.size(dim) == 1 || mask.stride(dim) == 0; };
+  if (mask.numel() == 0 || !broadcast(1) || !broadcast(2)) return {};
+  const int64_t B = mask.size(0), S = mask.size(3), stride_b = mask.stride(0), stride_key = mask.stride(3);
+  const bool* allowed = mask.data_ptr<bool>();
+  auto lengths = torch::empty({B}, torch::kLong);
+  int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const bool* row = allowed + b * stride_b;
+    int64_t j = 0;
+    while (j < S && row[j * stride_key]) ++j;
+    length[b] = j;
+    for (; j < S; ++j) {
+      if (row[j * stride_key]) return {};  // a key allowed after a masked one: not padding
+    }
+  }
+  return lengths;
+}
+
 }  // namespace
 
 torch::Tensor empty_in_layout_of(const torch::Tensor& like, int64_t width, const torch::TensorOptions& options) {
@@ -64,12 +87,18 @@ std::pair<torch::Tensor, torch::Tensor> kernel_conditions(const torch::Tensor& q
     scores_shape.back() = k.size(-2);
     // (B, H, N, S), stride 0 where it broadcasts
     kernel_mask = as_four_dims(kernel_mask.expand(scores_shape), grouped);
-  } else {
-    kernel_mask = torch::empty({0}, torch::kBool);
   }
   const auto& lengths = options.key_lengths();
-  kernel_lengths =
-      lengths.defined() ? lengths.to(torch::kCPU, torch::kLong).contiguous() : torch::empty({0}, torch::kLong);
+  if (lengths.defined()) kernel_lengths = lengths.to(torch::kCPU, torch::kLong).contiguous();
+  if (kernel_mask.defined() && kernel_mask.scalar_type() == torch::kBool) {
+    // Padding as key lengths (the least of the two where both are given).
+    if (const auto padding = padding_lengths(kernel_mask); padding.defined()) {
+      kernel_lengths = kernel_lengths.defined() ? torch::minimum(kernel_lengths, padding) : padding;
+      kernel_mask = torch::Tensor();
+    }
+  }
+  if (!kernel_mask.defined()) kernel_mask = torch::empty({0}, torch::kBool);
+  if (!kernel_lengths.defined()) kernel_lengths = torch::empty({0}, torch::kLong);
   return {kernel_mask, kernel_lengths};
 }
 

@@ -428,6 +428,22 @@ void scale(double* x, int64_t n, double factor) {
   for (int64_t i = 0; i < n; ++i) x[i] *= factor;
 }
 
+QKV_VECTORISED void scale_add(float* __restrict x, int64_t n, float factor, const float* __restrict bias) {
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * factor + bias[i];
+}
+
+void scale_add(double* __restrict x, int64_t n, double factor, const double* __restrict bias) {
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * factor + bias[i];
+}
+
+QKV_VECTORISED void mask_out(float* __restrict x, int64_t n, const bool* __restrict allowed) {
+  for (int64_t i = 0; i < n; ++i) x[i] = allowed[i] ? x[i] : -std::numeric_limits<float>::infinity();
+}
+
+void mask_out(double* __restrict x, int64_t n, const bool* __restrict allowed) {
+  for (int64_t i = 0; i < n; ++i) x[i] = allowed[i] ? x[i] : -std::numeric_limits<double>::infinity();
+}
+
 QKV_VECTORISED void softmax_backward(const float* __restrict p, float* __restrict ds, int64_t n, float delta) {
   for (int64_t i = 0; i < n; ++i) ds[i] = p[i] * (ds[i] - delta);
 }

@@ -55,6 +55,14 @@ double max_of(const double* x, int64_t n);
 void scale(float* x, int64_t n, float factor);
 void scale(double* x, int64_t n, double factor);
 
+/// x[i] <- x[i] * factor + bias[i]: an additive mask added to scores still to be scaled.
+void scale_add(float* x, int64_t n, float factor, const float* bias);
+void scale_add(double* x, int64_t n, double factor, const double* bias);
+
+/// x[i] <- -inf where allowed[i] is false: a boolean mask applied to scores.
+void mask_out(float* x, int64_t n, const bool* allowed);
+void mask_out(double* x, int64_t n, const bool* allowed);
+
 /// ds[i] <- p[i] * (ds[i] - delta): softmax's backward for one row.
 void softmax_backward(const float* p, float* ds, int64_t n, float delta);
 void softmax_backward(const double* p, double* ds, int64_t n, double delta);
