@@ -16,6 +16,7 @@
 #include <atomic>
 #include <limits>
 #include <random>
+#include <set>
 
 namespace {
 
@@ -333,6 +334,56 @@ TEST(Tiled, BackwardSplitOverKeysMatchesTheMathPath) {
         q, k, v, upstream, qkv::ScaledDotProductAttentionOptions().causal(true), p, seed);
     expect_same(tiled, reference, 1e-10, "dropout, keys split");
   }
+}
+
+// A learned mask that serves the whole batch or every head has its gradient summed over them. The
+// backward does it itself where the heads that add to one place can share a task without idling
+// threads (sums_mask_gradient), else writes one per batch element and head for autograd to sum.
+// Both, chosen by the thread count, against the math path: masks (N, S), (1, H, N, S), (B, 1, N, S),
+// (H, 1, S) and (B, H, N, S), with and without grouped heads (2 query heads of one key/value head
+// adding to one place in one task), over one key block (P kept by the
+// forward) and three (recomputed, keys split), in float64 and bfloat16.
+TEST(Tiled, LearnedMaskGradientsSummedOverTheBatchAndHeadsTheyServe) {
+  const int64_t B = 3, N = 70, D = 16;
+  std::set<bool> ways;  // which of the two ways ran
+  for (const int threads : {1, 2, 3}) {
+    const qkv_test::ThreadCount thread_count(threads);
+    for (const int64_t S : {int64_t{90}, int64_t{600}}) {
+      for (const auto& [H, Hkv] : {std::pair<int64_t, int64_t>{2, 2}, {4, 2}, {2, 1}}) {
+        const std::vector<std::vector<int64_t>> shapes{{N, S}, {1, H, N, S}, {B, 1, N, S}, {H, 1, S}, {B, H, N, S}};
+        for (const auto& shape : shapes) {
+          for (const auto dtype : {torch::kDouble, torch::kBFloat16}) {
+            if (dtype == torch::kBFloat16 && threads != 2) continue;
+            std::ostringstream what;
+            what << threads << " threads, S=" << S << " H=" << H << " Hkv=" << Hkv << ", mask "
+                 << c10::IntArrayRef(shape) << " " << dtype;
+            SCOPED_TRACE(what.str());
+            qkv::kernels::tiled::Problem<double> problem;
+            problem.B = B, problem.H = H, problem.Hkv = Hkv, problem.N = N, problem.S = S, problem.D = D, problem.Dv = D;
+            const double any_value = 0;
+            problem.mask.values = &any_value;
+            problem.mask.batches = shape.size() == 4 ? shape[0] : 1;
+            problem.mask.heads = shape.size() >= 3 ? shape[shape.size() - 3] : 1;
+            ways.insert(qkv::kernels::tiled::sums_mask_gradient(problem));
+            torch::manual_seed(S + H);
+            const auto q = torch::randn({B, H, N, D}, torch::kDouble), k = torch::randn({B, Hkv, S, D}, torch::kDouble),
+                       v = torch::randn({B, Hkv, S, D}, torch::kDouble),
+                       upstream = torch::randn({B, H, N, D}, torch::kDouble);
+            const auto bias = torch::randn(shape, torch::kDouble);
+            const auto options = qkv::ScaledDotProductAttentionOptions().enable_gqa(H > Hkv);
+            const auto [tiled, tiled_bias_grad] =
+                run_with_learned_mask(q, k, v, upstream, options, bias, AttentionBackend::Tiled, dtype);
+            const auto [math, math_bias_grad] =
+                run_with_learned_mask(q, k, v, upstream, options, bias, AttentionBackend::Math, torch::kDouble);
+            const double tolerance = dtype == torch::kDouble ? 1e-10 : qkv_test::tolerance_for(dtype, S);
+            expect_same(tiled, math, tolerance, what.str());
+            EXPECT_TRUE(qkv_test::tensors_close(tiled_bias_grad, math_bias_grad, tolerance)) << "the mask's gradient";
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(ways.size(), 2u) << "the thread counts should have taken both ways";
 }
 
 // Up to one key block (S <= Bc) and within a budget the forward keeps the probabilities for the

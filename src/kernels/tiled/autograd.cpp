@@ -46,8 +46,11 @@ Problem<acc_t> problem_of(const Operands& o, const Settings& settings) {
   p.window = settings.window;
   p.key_lengths = o.key_lengths.numel() > 0 ? o.key_lengths.data_ptr<int64_t>() : nullptr;
   if (o.mask.dim() == 4) {
-    p.mask.stride_b = o.mask.stride(0), p.mask.stride_h = o.mask.stride(1);
-    p.mask.stride_row = o.mask.stride(2), p.mask.stride_key = o.mask.stride(3);
+    // No step along a dimension of size 1 (the batch or heads of a mask that serves them all),
+    // whatever its stride.
+    const auto step = [&](int64_t dim) { return o.mask.size(dim) == 1 ? 0 : o.mask.stride(dim); };
+    p.mask.stride_b = step(0), p.mask.stride_h = step(1), p.mask.stride_row = step(2), p.mask.stride_key = step(3);
+    p.mask.batches = o.mask.size(0), p.mask.heads = o.mask.size(1);
     if (o.mask.scalar_type() == torch::kBool) {
       p.mask.bools = o.mask.data_ptr<bool>();
     } else {
@@ -119,19 +122,26 @@ Gradients run_backward(const Operands& o, const ForwardResult& forward, const to
     grads.q = empty_in_layout_of(o.q, p.D, q.options());
     grads.k = empty_in_layout_of(o.k, p.D, q.options());
     grads.v = empty_in_layout_of(o.v, p.Dv, q.options());
-    if (want_mask_gradient) grads.mask = torch::zeros({p.B, p.H, p.N, p.S}, row_statistics.options());
+    // The mask's gradient summed by the kernel, or per batch element and head and summed here.
+    const bool summed = want_mask_gradient && sums_mask_gradient(p);
+    if (want_mask_gradient) {
+      grads.mask = torch::zeros(summed ? std::vector<int64_t>{p.mask.batches, p.mask.heads, p.N, p.S}
+                                       : std::vector<int64_t>{p.B, p.H, p.N, p.S},
+                                row_statistics.options());
+    }
     // The upstream gradient as it comes (after the module's head join: the output's layout), unless
     // the kernel cannot read it in place (an expanded gradient of a sum, say).
     const auto grad = kernel_readable(grad_out) ? grad_out : grad_out.contiguous();
     Gradients4<scalar_t, acc_t> results{output_of<scalar_t>(grads.q), output_of<scalar_t>(grads.k),
                                         output_of<scalar_t>(grads.v),
-                                        want_mask_gradient ? grads.mask.data_ptr<acc_t>() : nullptr};
+                                        want_mask_gradient ? grads.mask.data_ptr<acc_t>() : nullptr, summed};
     backward_blocks<scalar_t, acc_t>(p, matrix_of<scalar_t>(o.q), matrix_of<scalar_t>(o.k), matrix_of<scalar_t>(o.v),
                                      matrix_of<scalar_t>(out), matrix_of<scalar_t>(grad),
                                      row_statistics.data_ptr<acc_t>(),
                                      forward.probabilities.numel() > 0 ? forward.probabilities.data_ptr<acc_t>()
                                                                        : nullptr,
                                      results);
+    if (want_mask_gradient && !summed) grads.mask = grads.mask.sum_to_size(o.mask.sizes());
   });
   return grads;
 }

@@ -49,12 +49,14 @@ struct OutputMatrix4 {
 };
 
 /// The general mask, broadcast to (B, H, N, S) by strides (0 where it broadcasts): bool (true =
-/// attend) or additive values in the accumulation type.
+/// attend) or additive values in the accumulation type. `batches` and `heads` are its own sizes
+/// along B and H: 1 where one mask serves the whole batch or every head.
 template <typename acc_t>
 struct MaskView {
   const bool* bools = nullptr;
   const acc_t* values = nullptr;
   int64_t stride_b = 0, stride_h = 0, stride_row = 0, stride_key = 0;
+  int64_t batches = 1, heads = 1;
   bool defined() const { return bools != nullptr || values != nullptr; }
 };
 
@@ -185,14 +187,23 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
                     acc_t* probabilities);
 
 /// The backward's results: grad_q (B, H, N, D), grad_k (B, Hkv, S, D), grad_v (B, Hkv, S, Dv); when
-/// scores is not null it receives dS, the gradient of the scores after the mask (B, H, N, S)
-/// contiguous, which is the gradient of an additive mask before broadcasting; it must be
-/// zero-filled on entry.
+/// scores is not null it receives dS, the gradient of the scores after the mask, which is the
+/// gradient of an additive mask: (B, H, N, S) contiguous, one per batch element and head, for the
+/// caller to sum over the mask's broadcast; or, where scores_summed (sums_mask_gradient), summed
+/// over them already, (mask.batches, mask.heads, N, S) contiguous. It must be zero-filled on entry.
 template <typename scalar_t, typename acc_t>
 struct Gradients4 {
   OutputMatrix4<scalar_t> q, k, v;
   acc_t* scores = nullptr;
+  bool scores_summed = false;
 };
+
+/// Whether the backward sums an additive mask's gradient over the batch and heads it serves
+/// (Gradients4::scores_summed): the heads that add to one place run one after the other in one task
+/// (no two tasks write the same place, and the order of the sums is fixed), where such tasks keep
+/// the threads as busy as one task per head would. Otherwise the caller sums (B, H, N, S).
+template <typename acc_t>
+bool sums_mask_gradient(const Problem<acc_t>& p);
 
 /// Backward: the gradients from out and grad_out (B, H, N, Dv) and the forward's row statistics, or
 /// its probabilities where it kept them (else null).

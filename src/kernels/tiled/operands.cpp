@@ -31,14 +31,22 @@ torch::Tensor as_four_dims(const torch::Tensor& t, bool grouped) {
 
 torch::Tensor readable(const torch::Tensor& t) { return kernel_readable(t) ? t : t.contiguous(); }
 
-// The key lengths of a boolean (B, H, N, S) mask view that only pads keys: the same for every head
-// and query row (stride 0 there), true for the first L_b keys of batch row b and false after them,
-// as key_mask_from_lengths' masks and PyTorch's key_padding_mask (inverted) are. Undefined for
-// any other mask. The kernel skips keys past a length instead of masking them one by one.
-torch::Tensor padding_lengths(const torch::Tensor& mask) {
+// B of as_four_dims(t, grouped), without forming it.
+int64_t batch_of(const torch::Tensor& t, bool grouped) {
+  if (t.dim() <= 2 || (t.dim() == 3 && grouped)) return 1;
+  int64_t batch = 1;
+  for (int64_t d = 0; d < t.dim() - 3 + (t.dim() == 3 ? 1 : 0); ++d) batch *= t.size(d);
+  return batch;
+}
+
+// The key lengths (B,) of a boolean (B or 1, H or 1, N, S) mask view that only pads keys: the same
+// for every head and query row (stride 0 there), true for the first L_b keys of batch row b and
+// false after them, as key_mask_from_lengths' masks and PyTorch's key_padding_mask (inverted) are.
+// Undefined for any other mask. The kernel skips keys past a length instead of masking them one by one.
+torch::Tensor padding_lengths(const torch::Tensor& mask, int64_t B) {
   const auto broadcast = [&](int64_t dim) { return mask.size(dim) == 1 || mask.stride(dim) == 0; };
   if (mask.numel() == 0 || !broadcast(1) || !broadcast(2)) return {};
-  const int64_t B = mask.size(0), S = mask.size(3), stride_b = mask.stride(0), stride_key = mask.stride(3);
+  const int64_t S = mask.size(3), stride_b = mask.size(0) == 1 ? 0 : mask.stride(0), stride_key = mask.stride(3);
   const bool* allowed = mask.data_ptr<bool>();
   auto lengths = torch::empty({B}, torch::kLong);
   int64_t* length = lengths.data_ptr<int64_t>();
@@ -83,16 +91,25 @@ std::pair<torch::Tensor, torch::Tensor> kernel_conditions(const torch::Tensor& q
     // would round a bias the other backends add exactly).
     kernel_mask = mask;
     if (mask.is_floating_point()) kernel_mask = mask.to(q.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
-    auto scores_shape = q.sizes().vec();
-    scores_shape.back() = k.size(-2);
-    // (B, H, N, S), stride 0 where it broadcasts
-    kernel_mask = as_four_dims(kernel_mask.expand(scores_shape), grouped);
+    auto shape = q.sizes().vec();  // the scores' (..., N, S)
+    shape.back() = k.size(-2);
+    const auto rank = static_cast<int64_t>(shape.size());
+    if (rank <= 4) {
+      // (B, H, N, S) with stride 0 where it broadcasts, except that the batch and the heads keep
+      // size 1 where the mask has it: the backward then sums a learned mask's gradient over them
+      // itself (backward.cpp), instead of writing one per batch element and head for autograd to sum.
+      for (int64_t d = 0; d < rank - 2; ++d) {
+        const int64_t mask_dim = d - (rank - kernel_mask.dim());
+        if (mask_dim < 0 || kernel_mask.size(mask_dim) == 1) shape[d] = 1;
+      }
+    }
+    kernel_mask = as_four_dims(kernel_mask.expand(shape), grouped);
   }
   const auto& lengths = options.key_lengths();
   if (lengths.defined()) kernel_lengths = lengths.to(torch::kCPU, torch::kLong).contiguous();
   if (kernel_mask.defined() && kernel_mask.scalar_type() == torch::kBool) {
     // Padding as key lengths (the least of the two where both are given).
-    if (const auto padding = padding_lengths(kernel_mask); padding.defined()) {
+    if (const auto padding = padding_lengths(kernel_mask, batch_of(q, grouped)); padding.defined()) {
       kernel_lengths = kernel_lengths.defined() ? torch::minimum(kernel_lengths, padding) : padding;
       kernel_mask = torch::Tensor();
     }

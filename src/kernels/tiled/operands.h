@@ -32,8 +32,9 @@ bool kernel_readable(const torch::Tensor& t);
 torch::Tensor empty_in_layout_of(const torch::Tensor& like, int64_t width, const torch::TensorOptions& options);
 
 /// The kernel's operands: q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), each kernel_readable;
-/// mask a (B, H, N, S) broadcast view, bool or floating in the accumulation type (float32 for
-/// bfloat16), or an empty tensor; key_lengths int64 (B,) contiguous or empty. Empty, not
+/// mask a (B or 1, H or 1, N, S) broadcast view (size 1 where the caller's mask broadcasts over
+/// the batch or the heads, stride 0 where it does over rows or keys), bool or floating in the
+/// accumulation type (float32 for bfloat16), or an empty tensor; key_lengths int64 (B,) contiguous or empty. Empty, not
 /// undefined: autograd::Function takes no undefined tensor arguments.
 struct Operands {
   torch::Tensor q, k, v, mask, key_lengths;

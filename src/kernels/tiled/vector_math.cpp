@@ -436,6 +436,14 @@ void scale_add(double* __restrict x, int64_t n, double factor, const double* __r
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] * factor + bias[i];
 }
 
+QKV_VECTORISED void add_into(float* __restrict x, int64_t n, const float* __restrict y) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+void add_into(double* __restrict x, int64_t n, const double* __restrict y) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
 QKV_VECTORISED void mask_out(float* __restrict x, int64_t n, const bool* __restrict allowed) {
   for (int64_t i = 0; i < n; ++i) x[i] = allowed[i] ? x[i] : -std::numeric_limits<float>::infinity();
 }

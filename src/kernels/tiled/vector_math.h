@@ -59,6 +59,10 @@ void scale(double* x, int64_t n, double factor);
 void scale_add(float* x, int64_t n, float factor, const float* bias);
 void scale_add(double* x, int64_t n, double factor, const double* bias);
 
+/// x[i] <- x[i] + y[i].
+void add_into(float* x, int64_t n, const float* y);
+void add_into(double* x, int64_t n, const double* y);
+
 /// x[i] <- -inf where allowed[i] is false: a boolean mask applied to scores.
 void mask_out(float* x, int64_t n, const bool* allowed);
 void mask_out(double* x, int64_t n, const bool* allowed);
