@@ -869,12 +869,14 @@ TEST(Tiled, ResultsDoNotDependOnWhichThreadRanATask) {
   }
 }
 
-// A boolean mask that only pads keys (true for the first L_b keys of each batch row, the same for
-// every head and query) reaches the kernel as key lengths (operands.cpp), skipped instead of masked
-// key by key; any other boolean mask stays a mask. Both against the math path in float64, with
-// every gradient: lengths of 0, 1, part and all of S, over one and two key blocks, with causal
-// rows, a window, grouped heads, given key_lengths (the least of the two counts), and masks seen
-// through a strided view or broadcast from (S,).
+// A mask that only pads keys (the same for every head and query, keeping the first L_b keys of each
+// batch row: true then false, or 0 then -inf or the dtype's lowest value) reaches the kernel as key
+// lengths (operands.cpp), skipped instead of masked key by key; any other mask stays a mask. Both
+// against the math path in float64, with every gradient: lengths of 0, 1, part and all of S, over
+// one and two key blocks, with causal rows, a window, grouped heads, given key_lengths (the least of
+// the two counts), and masks seen through a strided view or broadcast from (S,). A row of no key
+// under a finite lowest value weighs every key the same in the math path: such a mask stays a mask,
+// as does a learned one.
 TEST(Tiled, PaddingMasksBecomeKeyLengthsAndMatchTheMathPath) {
   const int64_t B = 4, Hkv = 2, N = 70;
   for (const int64_t S : {int64_t{90}, int64_t{300}}) {
@@ -887,12 +889,20 @@ TEST(Tiled, PaddingMasksBecomeKeyLengthsAndMatchTheMathPath) {
     not_padding[0][S / 2] = false;  // a hole: keys allowed after a masked one
     auto per_head = padding.view({B, 1, 1, S}).expand({B, Hkv, 1, S}).clone();
     per_head[0][1][0].slice(0, S - 5).fill_(false);  // a padding of its own in one head
+    // Additive padding: 0 for the kept keys, -inf or the lowest float64 after them.
+    const double lowest = std::numeric_limits<double>::lowest(), inf = std::numeric_limits<double>::infinity();
+    const auto additive = [&](const torch::Tensor& allowed, double removed) {
+      return torch::zeros(allowed.sizes(), torch::kDouble).masked_fill(allowed.logical_not(), removed);
+    };
+    const auto no_empty_row = torch::tensor({S, S - 3, int64_t{2}, int64_t{1}}, torch::kLong);
+    const auto padding_no_empty_row = torch::arange(S).unsqueeze(0).lt(no_empty_row.unsqueeze(1));
     struct Variant {
       std::string name;
       torch::Tensor mask, given_lengths;
       bool causal = false, grouped = false;
       c10::optional<int64_t> window;
       torch::Tensor expected_lengths;  // undefined: the mask must stay a mask
+      bool third_row_empty = true;      // batch row 2 attends to no key
     };
     const std::vector<Variant> variants{
         {"padding (B, 1, 1, S)", padding.view({B, 1, 1, S}), {}, false, false, {}, lengths},
@@ -904,6 +914,15 @@ TEST(Tiled, PaddingMasksBecomeKeyLengthsAndMatchTheMathPath) {
         {"(S,) broadcast", padding[1], {}, false, false, {}, torch::full({B}, S - 3, torch::kLong)},
         {"a hole: not padding", not_padding.view({B, 1, 1, S}), {}, false, false, {}, {}},
         {"per head: not padding", per_head, {}, false, false, {}, {}},
+        {"0 / -inf", additive(padding, -inf).view({B, 1, 1, S}), {}, true, false, {}, lengths},
+        {"0 / lowest", additive(padding_no_empty_row, lowest).view({B, 1, 1, S}), {}, false, false, {}, no_empty_row,
+         false},
+        {"0 / lowest, a row of none: not padding", additive(padding, lowest).view({B, 1, 1, S}), {}, false, false, {},
+         {}, false},
+        {"0 / -1e4: not padding", additive(padding_no_empty_row, -1e4).view({B, 1, 1, S}), {}, false, false, {}, {},
+         false},
+        {"0 / -inf, learned: not padding", additive(padding, -inf).view({B, 1, 1, S}).requires_grad_(true), {}, false,
+         false, {}, {}},
     };
     for (const auto& variant : variants) {
       const std::string what = variant.name + " S=" + std::to_string(S);
@@ -929,7 +948,7 @@ TEST(Tiled, PaddingMasksBecomeKeyLengthsAndMatchTheMathPath) {
       const auto actual = run(q, k, v, upstream, options, AttentionBackend::Tiled);
       expect_same(actual, expected, 1e-10, what);
       // The batch row of length 0 attends to nothing: zero output and zero gradients.
-      if (variant.mask.dim() == 4 && !variant.mask[2].any().item<bool>()) {
+      if (variant.third_row_empty && variant.mask.dim() == 4) {
         EXPECT_EQ(qkv_test::max_abs(actual.output[2]), 0.0) << what;
         EXPECT_EQ(qkv_test::max_abs(actual.grad_k[2]), 0.0) << what;
       }
