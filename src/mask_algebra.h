@@ -30,6 +30,11 @@ struct MaskTarget {
 /// returns them as int64 (B,).
 torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& target);
 
+/// A key_mask (B, S) or (S,) that only pads keys, true for a prefix of each row's keys, as key
+/// lengths (B,), which every backend takes; undefined for any other key_mask, and for one off the
+/// CPU (reading it there would wait for the device). Checked as merge_attention_mask checks it.
+torch::Tensor key_mask_as_lengths(const torch::Tensor& key_mask, const MaskTarget& target);
+
 /// Checks every part of `mask` against `target` and merges them into one tensor broadcastable to
 /// (B, H, N, S): bool when every part is bool, else floating in target.dtype (-inf where a bool
 /// part forbids). Undefined when the mask is empty.

@@ -64,13 +64,39 @@ torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& t
   return lengths.reshape({batch}).to(torch::kLong);
 }
 
+namespace {
+
+void check_key_mask(const torch::Tensor& key_mask, const MaskTarget& target) {
+  const bool batched = target.batched;
+  const int64_t batch = target.batch, num_keys = target.num_keys;
+  const bool shape_ok = batched ? (key_mask.dim() == 2 && key_mask.size(0) == batch && key_mask.size(1) == num_keys)
+                                : (key_mask.dim() == 1 && key_mask.size(0) == num_keys);
+  TORCH_CHECK(shape_ok, "SelfAttention: expected key_mask of shape (", batched ? "B, " : "", "S) with ",
+              batched ? "B = " + std::to_string(batch) + ", " : std::string(), "S = ", num_keys, ", got ",
+              key_mask.sizes());
+  TORCH_CHECK(key_mask.scalar_type() == torch::kBool,
+              "SelfAttention: expected a bool key_mask (true = real key, false = padding), got ",
+              key_mask.scalar_type());
+  TORCH_CHECK(key_mask.device() == target.device, "SelfAttention: expected key_mask on ", target.device, ", got ",
+              key_mask.device());
+}
+
+}  // namespace
+
+torch::Tensor key_mask_as_lengths(const torch::Tensor& key_mask, const MaskTarget& target) {
+  check_key_mask(key_mask, target);
+  if (!key_mask.device().is_cpu()) return {};
+  const auto rows = key_mask.reshape({target.batch, target.num_keys});  // (B, S)
+  const auto lengths = rows.sum(-1);                                     // int64 (B,)
+  const auto prefix = torch::arange(target.num_keys, lengths.options()).unsqueeze(0) < lengths.unsqueeze(1);
+  return prefix.equal(rows) ? lengths : torch::Tensor();
+}
+
 torch::Tensor merge_attention_mask(const AttentionMask& mask, const MaskTarget& target) {
   const bool batched = target.batched;
   const int64_t batch = target.batch, heads = target.heads;
   const int64_t num_queries = target.num_queries, num_keys = target.num_keys;
   const auto& device = target.device;
-  // Unbatched input is handled as a batch of one; its masks are given without the B dimension.
-  const char* batch_dim = batched ? "B, " : "";
   torch::Tensor keys;  // bool (B, 1, 1, S): false for padding keys
 
   if (mask.key_lengths.defined()) {
@@ -78,16 +104,7 @@ torch::Tensor merge_attention_mask(const AttentionMask& mask, const MaskTarget& 
   }
   if (mask.key_mask.defined()) {
     const auto& key_mask = mask.key_mask;
-    const bool shape_ok = batched ? (key_mask.dim() == 2 && key_mask.size(0) == batch && key_mask.size(1) == num_keys)
-                                  : (key_mask.dim() == 1 && key_mask.size(0) == num_keys);
-    TORCH_CHECK(shape_ok, "SelfAttention: expected key_mask of shape (", batch_dim, "S) with ",
-                batched ? "B = " + std::to_string(batch) + ", " : std::string(), "S = ", num_keys, ", got ",
-                key_mask.sizes());
-    TORCH_CHECK(key_mask.scalar_type() == torch::kBool,
-                "SelfAttention: expected a bool key_mask (true = real key, false = padding), got ",
-                key_mask.scalar_type());
-    TORCH_CHECK(key_mask.device() == device, "SelfAttention: expected key_mask on ", device, ", got ",
-                key_mask.device());
+    check_key_mask(key_mask, target);
     // Explicit sizes: with S = 0 (an empty context) a -1 would be ambiguous.
     auto as_batch = key_mask.reshape({batch, num_keys});  // (B, S)
     keys = keys.defined() ? keys.logical_and(as_batch) : as_batch;
@@ -103,9 +120,12 @@ torch::Tensor merge_attention_mask(const AttentionMask& mask, const MaskTarget& 
     bool shape_ok = pair_dims_ok && dims <= 4;
     if (shape_ok && batched && dims == 3) shape_ok = sizes[0] == batch;
     if (shape_ok && !batched && dims == 3) shape_ok = sizes[0] == heads;
-    if (shape_ok && dims == 4) shape_ok = batched && sizes[0] == batch && sizes[1] == heads;
+    // (1, H, N, S): one bias per head for the whole batch (T5's, Swin's); (B, 1, N, S) as (B, N, S).
+    if (shape_ok && dims == 4) {
+      shape_ok = batched && (sizes[0] == batch || sizes[0] == 1) && (sizes[1] == heads || sizes[1] == 1);
+    }
     TORCH_CHECK(shape_ok, "SelfAttention: expected attn_mask of shape (N, S), ",
-                batched ? "(B, N, S) or (B, H, N, S)" : "or (H, N, S)", " with ",
+                batched ? "(B, N, S) or (B or 1, H or 1, N, S)" : "or (H, N, S)", " with ",
                 batched ? "B = " + std::to_string(batch) + ", " : std::string(), "H = ", heads, ", N = ", num_queries,
                 ", S = ", num_keys, ", got ", sizes);
     TORCH_CHECK(attn_mask.scalar_type() == torch::kBool || attn_mask.is_floating_point(),

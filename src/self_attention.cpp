@@ -339,7 +339,15 @@ SelfAttentionOutput SelfAttentionImpl::attend(const torch::Tensor& query, const 
   // parts become one mask.
   auto other_parts = mask;
   other_parts.key_lengths = torch::Tensor();
-  const auto lengths = mask.key_lengths.defined() ? detail::checked_key_lengths(mask, target) : torch::Tensor();
+  auto lengths = mask.key_lengths.defined() ? detail::checked_key_lengths(mask, target) : torch::Tensor();
+  // Beside an attn_mask, a key_mask that only pads goes as lengths too: merged in, it would widen the
+  // attn_mask (a learned bias (1, H, N, S), say) to (B, H, N, S), and the bias's gradient with it.
+  if (mask.key_mask.defined() && mask.attn_mask.defined()) {
+    if (const auto padding = detail::key_mask_as_lengths(mask.key_mask, target); padding.defined()) {
+      lengths = lengths.defined() ? torch::minimum(lengths, padding) : padding;
+      other_parts.key_mask = torch::Tensor();
+    }
+  }
   auto result = scaled_dot_product_attention(
       q, k, v,
       attention_options(need_weights).mask(detail::merge_attention_mask(other_parts, target)).key_lengths(lengths));

@@ -2,6 +2,8 @@
 // a query with no key left gets a zero output and finite gradients, never NaN.
 #include "support/fixtures.h"
 
+#include "mask_algebra.h"
+
 #include <limits>
 
 namespace {
@@ -118,6 +120,47 @@ TEST(MaskHelpers, LengthsAndCausal) {
   EXPECT_TRUE(torch::equal(mask, torch::tensor({{true, true, false}, {false, false, false}, {true, true, true}})));
   auto causal = qkv::causal_mask(2, 3);
   EXPECT_TRUE(torch::equal(causal, torch::tensor({{true, false, false}, {true, true, false}})));
+}
+
+// A key_mask that only pads (true for a prefix of each row's keys) beside an attn_mask goes to the
+// core as key lengths, so that merging does not widen a per-head bias to every batch element; any
+// other key_mask is merged as before. The helper's answers, and the module's outputs and every
+// gradient (a learned (1, H, N, S) bias's included) against the same module given that key_mask as
+// key_lengths, which the core has always taken apart.
+TEST(MaskHelpers, PaddingKeyMaskBesideAnAttnMaskGoesAsKeyLengths) {
+  qkv::detail::MaskTarget target;
+  target.batch = 3, target.heads = 2, target.num_queries = 5, target.num_keys = 4;
+  const auto padding = torch::tensor({{true, true, true, true}, {true, false, false, false}, {false, false, false, false}});
+  EXPECT_TRUE(qkv::detail::key_mask_as_lengths(padding, target).equal(torch::tensor({4, 1, 0}, torch::kLong)));
+  auto hole = padding.clone();
+  hole[0][1] = false;
+  EXPECT_FALSE(qkv::detail::key_mask_as_lengths(hole, target).defined());
+  EXPECT_THROW(qkv::detail::key_mask_as_lengths(padding.to(torch::kLong), target), c10::Error);
+
+  torch::manual_seed(5);
+  const int64_t B = 3, N = 6, E = 8, H = 2;
+  auto module = qkv::SelfAttention(qkv::SelfAttentionOptions(E).num_heads(H));
+  module->to(torch::kDouble);
+  const auto lengths = torch::tensor({6, 2, 0}, torch::kLong);
+  const auto x = torch::randn({B, N, E}, torch::kDouble), upstream = torch::randn({B, N, E}, torch::kDouble);
+  const auto bias_values = torch::randn({1, H, N, N}, torch::kDouble);
+  for (const auto backend : {qkv::AttentionBackend::Tiled, qkv::AttentionBackend::Math}) {
+    module->options.backend(backend);
+    auto run = [&](const qkv::AttentionMask& mask, const torch::Tensor& bias) {
+      module->zero_grad();
+      auto input = x.clone().requires_grad_(true);
+      (module->forward(input, {}, mask) * upstream).sum().backward();
+      return std::vector<torch::Tensor>{input.grad(), bias.grad(), module->W_q->weight.grad()};
+    };
+    auto bias_a = bias_values.clone().requires_grad_(true), bias_b = bias_values.clone().requires_grad_(true);
+    qkv::AttentionMask as_key_mask, as_lengths;
+    as_key_mask.key_mask = qkv::key_mask_from_lengths(lengths, N), as_key_mask.attn_mask = bias_a;
+    as_lengths.key_lengths = lengths, as_lengths.attn_mask = bias_b;
+    const auto tested = run(as_key_mask, bias_a), expected = run(as_lengths, bias_b);
+    for (size_t i = 0; i < tested.size(); ++i) {
+      EXPECT_TRUE(qkv_test::tensors_close(tested[i], expected[i], 1e-12)) << "result " << i;
+    }
+  }
 }
 
 }  // namespace

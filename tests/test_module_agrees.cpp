@@ -41,7 +41,7 @@ struct ModuleCase {
   c10::optional<double> scale;
   bool key_lengths = false, key_mask = false;
   enum class AttnMask { None, Bool, Float, LearnedFloat } attn_mask = AttnMask::None;
-  std::vector<int64_t> attn_mask_shape;  // (N, S), (B, N, S) or (B, H, N, S); unbatched (N, S) or (H, N, S)
+  std::vector<int64_t> attn_mask_shape;  // (N, S), (B, N, S), (B|1, H, N, S); unbatched (N, S) or (H, N, S)
   int input_layout = 0;                  // 0 contiguous, 1 stored (N, B, E), 2 every second row, 3 expanded over B
   bool need_weights = false;
   torch::ScalarType dtype = torch::kFloat;  // the precision the module computes in
@@ -104,8 +104,11 @@ ModuleCase draw(uint32_t seed) {
     const int64_t kind = c.unbatched ? pick(2) * 2 : pick(3);  // unbatched: (N, S) or (H, N, S)
     if (kind == 0) c.attn_mask_shape = {c.N, c.S};
     if (kind == 1) c.attn_mask_shape = {c.B, c.N, c.S};
-    if (kind == 2)
-      c.attn_mask_shape = c.unbatched ? std::vector<int64_t>{c.H, c.N, c.S} : std::vector<int64_t>{c.B, c.H, c.N, c.S};
+    if (kind == 2) {
+      // Batched: per batch element and head, or one per head for the whole batch (a learned bias).
+      c.attn_mask_shape = c.unbatched ? std::vector<int64_t>{c.H, c.N, c.S}
+                                      : std::vector<int64_t>{chance(2) ? 1 : c.B, c.H, c.N, c.S};
+    }
   }
   c.input_layout = static_cast<int>(pick(4));
   if (c.unbatched && (c.input_layout == 1 || c.input_layout == 3)) c.input_layout = 2;
@@ -337,7 +340,13 @@ std::string check(const ModuleCase& c) {
   }
   torch::Tensor key_lengths, key_mask, attn_mask_leaf;
   if (c.key_lengths) key_lengths = torch::randint(0, c.S + 1, {B}, torch::kLong);
-  if (c.key_mask) key_mask = torch::rand({B, c.S}) > 0.3;
+  if (c.key_mask) {
+    // Half the time a padding mask, true for a prefix of each row's keys (0 to S of them), which
+    // the module passes on as key lengths beside an attn_mask.
+    key_mask = torch::rand({1}).item<double>() < 0.5
+                   ? torch::rand({B, c.S}) > 0.3
+                   : torch::arange(c.S).unsqueeze(0) < torch::randint(0, c.S + 1, {B, 1}, torch::kLong);
+  }
   if (c.attn_mask == ModuleCase::AttnMask::Bool) attn_mask_leaf = torch::rand(c.attn_mask_shape) > 0.2;
   if (c.attn_mask == ModuleCase::AttnMask::Float || c.attn_mask == ModuleCase::AttnMask::LearnedFloat) {
     attn_mask_leaf = torch::randn(c.attn_mask_shape);

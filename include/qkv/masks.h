@@ -21,7 +21,8 @@ struct AttentionMask {
   torch::Tensor key_lengths;
   /// bool (B, S): true for real keys, false for padding.
   torch::Tensor key_mask;
-  /// bool (true = attend) or floating (added to scores), of shape (N, S), (B, N, S) or (B, H, N, S).
+  /// bool (true = attend) or floating (added to scores), of shape (N, S), (B, N, S) or (B, H, N, S),
+  /// 1 for B or H where one mask serves the whole batch or every head (a learned bias (1, H, N, S)).
   torch::Tensor attn_mask;
 
   bool empty() const { return !key_lengths.defined() && !key_mask.defined() && !attn_mask.defined(); }
