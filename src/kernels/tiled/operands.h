@@ -50,8 +50,10 @@ torch::Tensor kernel_operand(const torch::Tensor& t, bool grouped);
 bool grouped_heads(const torch::Tensor& q, const torch::Tensor& k, const ScaledDotProductAttentionOptions& options);
 
 /// The mask and key lengths of `options` in the kernel's form (Operands::mask, Operands::key_lengths),
-/// for q (..., N, D) and k (..., S, D), `grouped` as grouped_heads says. The mask's steps are
-/// differentiable: its gradient reaches the caller's tensor.
+/// for q (..., N, D) and k (..., S, D), `grouped` as grouped_heads says. A mask that only pads keys
+/// (boolean, or additive with -inf and no gradient; operands.cpp says which) becomes key lengths,
+/// which the kernel skips past. The mask's steps are differentiable: its gradient reaches the
+/// caller's tensor.
 std::pair<torch::Tensor, torch::Tensor> kernel_conditions(const torch::Tensor& q, const torch::Tensor& k,
                                                           const ScaledDotProductAttentionOptions& options,
                                                           bool grouped);
