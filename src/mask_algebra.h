@@ -30,6 +30,14 @@ struct MaskTarget {
 /// returns them as int64 (B,).
 torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& target);
 
+/// The key lengths (B,) of key rows (B or 1, S), CPU, where every row only pads: keeps its first L_b
+/// keys and removes the rest. Boolean rows are true then false (key_mask_from_lengths' masks,
+/// PyTorch's key_padding_mask inverted); additive rows 0 then -inf or a value so low that its key
+/// gets weight 0 exactly (at most -1e30: float32's and bfloat16's lowest, as Hugging Face's masks
+/// use), a row of no key -inf throughout (under a finite value the math path weighs every key the
+/// same). Undefined where a row is anything else. A row of 1 serves every batch element.
+torch::Tensor padding_lengths(const torch::Tensor& keys, int64_t batch);
+
 /// A key_mask (B, S) or (S,) that only pads keys, true for a prefix of each row's keys, as key
 /// lengths (B,), which every backend takes; undefined for any other key_mask, and for one off the
 /// CPU (reading it there would wait for the device). Checked as merge_attention_mask checks it.

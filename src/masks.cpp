@@ -3,6 +3,7 @@
 
 #include "mask_algebra.h"
 
+#include <ATen/Dispatch.h>
 #include <torch/torch.h>
 
 #include <limits>
@@ -81,15 +82,60 @@ void check_key_mask(const torch::Tensor& key_mask, const MaskTarget& target) {
               key_mask.device());
 }
 
+// How far below every score an additive mask's value must lie to remove its key exactly, as -inf
+// does: the lowest values of float32 and bfloat16 (Hugging Face's padding masks) are; exp(score +
+// value - row maximum) is then 0 in float32 and float64 for any score of magnitude below 1e29.
+constexpr double kRemovesKey = -1e30;
+
+// The number of keys a padding row keeps: `keeps` its first keys and `removes` every one after
+// them; -1 where the row is not such a row.
+template <typename T, typename Keeps, typename Removes>
+int64_t kept_prefix(const T* row, int64_t S, int64_t stride, Keeps keeps, Removes removes) {
+  int64_t j = 0;
+  while (j < S && keeps(row[j * stride])) ++j;
+  const int64_t length = j;
+  for (; j < S; ++j) {
+    if (!removes(row[j * stride])) return -1;  // a key kept after a removed one: not padding
+  }
+  return length;
+}
+
 }  // namespace
+
+torch::Tensor padding_lengths(const torch::Tensor& keys, int64_t B) {
+  const int64_t S = keys.size(1), stride_b = keys.size(0) == 1 ? 0 : keys.stride(0), stride_key = keys.stride(1);
+  auto lengths = torch::empty({B}, torch::kLong);
+  int64_t* length = lengths.data_ptr<int64_t>();
+  const auto rows = [&](const auto* values, auto keeps, auto removes, auto removes_all) {
+    for (int64_t b = 0; b < B; ++b) {
+      const auto* row = values + b * stride_b;
+      length[b] = kept_prefix(row, S, stride_key, keeps, removes);
+      if (length[b] < 0 || (length[b] == 0 && S > 0 && kept_prefix(row, S, stride_key, keeps, removes_all) != 0)) {
+        return false;
+      }
+    }
+    return true;
+  };
+  bool padding = false;
+  if (keys.scalar_type() == torch::kBool) {
+    const auto keeps = [](bool allowed) { return allowed; };
+    const auto removes = [](bool allowed) { return !allowed; };
+    padding = rows(keys.data_ptr<bool>(), keeps, removes, removes);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(keys.scalar_type(), "qkv_padding_lengths", [&] {
+      const auto keeps = [](scalar_t value) { return value == scalar_t(0); };
+      const auto removes = [](scalar_t value) { return static_cast<double>(value) <= kRemovesKey; };
+      const auto removes_all = [](scalar_t value) { return value == -std::numeric_limits<scalar_t>::infinity(); };
+      padding = rows(keys.data_ptr<scalar_t>(), keeps, removes, removes_all);
+    });
+  }
+  return padding ? lengths : torch::Tensor();
+}
 
 torch::Tensor key_mask_as_lengths(const torch::Tensor& key_mask, const MaskTarget& target) {
   check_key_mask(key_mask, target);
   if (!key_mask.device().is_cpu()) return {};
-  const auto rows = key_mask.reshape({target.batch, target.num_keys});  // (B, S)
-  const auto lengths = rows.sum(-1);                                     // int64 (B,)
-  const auto prefix = torch::arange(target.num_keys, lengths.options()).unsqueeze(0) < lengths.unsqueeze(1);
-  return prefix.equal(rows) ? lengths : torch::Tensor();
+  return padding_lengths(key_mask.reshape({target.batch, target.num_keys}), target.batch);
 }
 
 torch::Tensor merge_attention_mask(const AttentionMask& mask, const MaskTarget& target) {

@@ -42,7 +42,7 @@ struct Case {
   int64_t batch = 0, seq_len = 0, d_model = 0, heads = 1, head_dim = 0, kv_heads = 0;
   bool causal = false;
   int64_t window = 0;    // core cases: sliding window (causal); 0: none
-  std::string mask;      // core cases: "key_padding" or "learned_bias" (see core_mask); "": none
+  std::string mask;      // core cases: "key_padding", "learned_bias" or "fixed_bias" (core_mask); "": none
   double dropout = 0.0;  // core cases: attention dropout while training
   int64_t warmup = 3;    // iterations before timing (1 for the very long cases)
   std::string autocast;  // module cases: "bfloat16" runs the float32 model under autocast (bf16-mixed)

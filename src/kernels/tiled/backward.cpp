@@ -53,20 +53,27 @@ int64_t parts_per_head(int64_t heads, int64_t threads, int64_t blocks) {
   return best;
 }
 
-// How the backward splits each key/value head's keys into parts run as separate tasks: as many as
-// parts_per_head says (one where B · Hkv is a multiple of the threads or far above them), cut at
-// key blocks where the work (the rows that see each block: fewer for later blocks when causal, a
-// band with a window) is about equal.
+// How many parts of its keys each of `tasks` tasks (of one or more heads each) is cut into on
+// LibTorch's threads: as parts_per_head says, except that small heads (decoding) stay whole (a
+// part must be worth a thread) and so does a single key block.
+template <typename acc_t>
+int64_t key_parts(const Problem<acc_t>& p, int64_t tasks) {
+  const int64_t blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
+  const bool small = tasks_per_chunk(p, p.groups() * p.N) > 1;
+  return blocks < 2 || small ? 1 : parts_per_head(tasks, at::get_num_threads(), blocks);
+}
+
+// How the backward splits each task's keys into parts run as separate tasks: key_parts of them
+// (one where the tasks are a multiple of the threads or far above them), cut at key blocks where
+// the work (the rows that see each block: fewer for later blocks when causal, a band with a
+// window) is about equal.
 class KeySplit {
  public:
   // For `heads` tasks' worth of heads (fewer than B · Hkv where several heads run in one task).
   template <typename acc_t>
   KeySplit(const Problem<acc_t>& p, int64_t heads) {
     const int64_t blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
-    const int64_t threads = at::get_num_threads();
-    // Small heads (decoding) stay whole: a part must be worth a thread.
-    const bool small = tasks_per_chunk(p, p.groups() * p.N) > 1;
-    const int64_t parts = blocks < 2 || small ? 1 : parts_per_head(heads, threads, blocks);
+    const int64_t parts = key_parts(p, heads);
     // Work of each key block: the query rows that can see it.
     std::vector<double> prefix(static_cast<size_t>(blocks + 1), 0.0);
     for (int64_t block = 0; block < blocks; ++block) {
@@ -120,10 +127,11 @@ struct HeadGroups {
   }
 };
 
-// The span of `heads` heads in tasks of `per_task` heads each, cut into key parts as KeySplit does,
-// in heads' time on `threads` threads.
-double span_of(int64_t tasks, int64_t per_task, int64_t threads, int64_t blocks) {
-  const int64_t parts = blocks < 2 ? 1 : parts_per_head(tasks, threads, blocks);
+// The span, in heads' time, of `tasks` tasks of `per_task` heads each, cut into key parts as
+// KeySplit cuts them.
+template <typename acc_t>
+double span_of(const Problem<acc_t>& p, int64_t tasks, int64_t per_task) {
+  const int64_t parts = key_parts(p, tasks), threads = at::get_num_threads();
   return static_cast<double>(per_task) * static_cast<double>((tasks * parts + threads - 1) / threads) /
          static_cast<double>(parts);
 }
@@ -133,15 +141,8 @@ double span_of(int64_t tasks, int64_t per_task, int64_t threads, int64_t blocks)
 template <typename acc_t>
 bool sums_mask_gradient(const Problem<acc_t>& p) {
   if (p.mask.values == nullptr || (p.mask.batches == p.B && p.mask.heads == p.H)) return true;  // nothing to sum
-  // A mask for every query head of a key/value head but not for each (grouped heads with a mask
-  // per key/value head) does not occur: the mask's heads are 1 or H.
   const auto grouped = HeadGroups::of(p, true);
-  const int64_t threads = at::get_num_threads(), blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
-  // Small heads (decoding) are not split (KeySplit): compare the spans as it would cut them.
-  const bool small = tasks_per_chunk(p, p.groups() * p.N) > 1;
-  const int64_t split_blocks = small ? 1 : blocks;
-  return span_of(grouped.groups, grouped.heads(), threads, split_blocks) <=
-         span_of(p.B * p.Hkv, 1, threads, split_blocks);
+  return span_of(p, grouped.groups, grouped.heads()) <= span_of(p, p.B * p.Hkv, 1);
 }
 
 template bool sums_mask_gradient<float>(const Problem<float>&);

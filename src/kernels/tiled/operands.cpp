@@ -1,11 +1,9 @@
 #include "kernels/tiled/operands.h"
 
 #include "kernels/kernels.h"
+#include "mask_algebra.h"
 
-#include <ATen/Dispatch.h>
 #include <torch/torch.h>
-
-#include <limits>
 
 namespace qkv::kernels::tiled {
 
@@ -42,61 +40,13 @@ int64_t batch_of(const torch::Tensor& t, bool grouped) {
   return batch;
 }
 
-// How far below every score an additive mask's value must lie to remove its key exactly, as -inf
-// does: the lowest values of float32 and bfloat16 (Hugging Face's padding masks) are; exp(score +
-// value - row maximum) is then 0 in float32 and float64 for any score of magnitude below 1e29.
-constexpr double kRemovesKey = -1e30;
-
-// The number of keys a padding row keeps: `keeps` its first keys and `removes` every one after
-// them; -1 where the row is not such a row.
-template <typename T, typename Keeps, typename Removes>
-int64_t kept_prefix(const T* row, int64_t S, int64_t stride, Keeps keeps, Removes removes) {
-  int64_t j = 0;
-  while (j < S && keeps(row[j * stride])) ++j;
-  const int64_t length = j;
-  for (; j < S; ++j) {
-    if (!removes(row[j * stride])) return -1;  // a key kept after a removed one: not padding
-  }
-  return length;
-}
-
 // The key lengths (B,) of a (B or 1, H or 1, N, S) mask view that only pads keys: the same for
-// every head and query row (stride 0 there), and for each batch row b keeping its first L_b keys
-// and removing the rest. A boolean mask is true for those keys and false after them, as
-// key_mask_from_lengths' masks and PyTorch's key_padding_mask (inverted) are; an additive mask
-// without a gradient is 0 for them and -inf (or as low as kRemovesKey) after them, a row of no key
-// -inf throughout (a finite value there gives every key the same weight, as the math path does).
-// Undefined for any other mask. The kernel skips keys past a length instead of masking them one by one.
+// every head and query row (stride 0 there), each batch row a padding row as detail::padding_lengths
+// says; undefined for any other mask, and for a learned one (its gradient is wanted everywhere).
 torch::Tensor padding_lengths(const torch::Tensor& mask, int64_t B) {
   const auto broadcast = [&](int64_t dim) { return mask.size(dim) == 1 || mask.stride(dim) == 0; };
   if (mask.numel() == 0 || !broadcast(1) || !broadcast(2) || mask.requires_grad()) return {};
-  const int64_t S = mask.size(3), stride_b = mask.size(0) == 1 ? 0 : mask.stride(0), stride_key = mask.stride(3);
-  auto lengths = torch::empty({B}, torch::kLong);
-  int64_t* length = lengths.data_ptr<int64_t>();
-  const auto rows = [&](const auto* values, auto keeps, auto removes, auto removes_all) {
-    for (int64_t b = 0; b < B; ++b) {
-      const auto* row = values + b * stride_b;
-      length[b] = kept_prefix(row, S, stride_key, keeps, removes);
-      if (length[b] < 0 || (length[b] == 0 && S > 0 && kept_prefix(row, S, stride_key, keeps, removes_all) != 0)) {
-        return false;
-      }
-    }
-    return true;
-  };
-  bool padding = false;
-  if (mask.scalar_type() == torch::kBool) {
-    const auto keeps = [](bool allowed) { return allowed; };
-    const auto removes = [](bool allowed) { return !allowed; };
-    padding = rows(mask.data_ptr<bool>(), keeps, removes, removes);
-  } else {
-    AT_DISPATCH_FLOATING_TYPES(mask.scalar_type(), "qkv_padding_lengths", [&] {
-      const auto keeps = [](scalar_t value) { return value == scalar_t(0); };
-      const auto removes = [](scalar_t value) { return static_cast<double>(value) <= kRemovesKey; };
-      const auto removes_all = [](scalar_t value) { return value == -std::numeric_limits<scalar_t>::infinity(); };
-      padding = rows(mask.data_ptr<scalar_t>(), keeps, removes, removes_all);
-    });
-  }
-  return padding ? lengths : torch::Tensor();
+  return qkv::detail::padding_lengths(mask.select(2, 0).select(1, 0), B);  // its rows (B or 1, S)
 }
 
 }  // namespace
