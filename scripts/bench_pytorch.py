@@ -55,19 +55,28 @@ class SelfAttention(nn.Module):
         return out.transpose(-3, -2).reshape(*lead, n, e)
 
 
+def key_len(case):
+    """A core case's keys and values S: its key_len (cross-attention), else its seq_len."""
+    s = case.get("key_len", case["seq_len"])
+    if s != case["seq_len"] and (not case["kind"].startswith("core_") or case.get("causal") or case.get("window")):
+        # attention() builds the causal and window structure for N = S only
+        raise ValueError(f"case {case['name']}: key_len is for core cases without causal or window")
+    return s
+
+
 def core_mask(case, device, dtype, backward):
     """A core case's mask, as qkv-bench's core_mask builds it (true = attend):
     "key_padding": bool (B, 1, 1, S), every other batch row's last quarter of keys padded;
     "learned_bias": float (1, H, N, S) added to the scores and trained (its gradient taken);
     "fixed_bias": the same, not trained (ALiBi's)."""
-    batch, n = max(case["batch"], 1), case["seq_len"]
+    batch, n, s = max(case["batch"], 1), case["seq_len"], key_len(case)
     kind = case.get("mask")
     if kind == "key_padding":
-        lengths = torch.full((batch,), n, dtype=torch.long, device=device)
-        lengths[1::2] = n - n // 4
-        return (torch.arange(n, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(batch, 1, 1, n)
+        lengths = torch.full((batch,), s, dtype=torch.long, device=device)
+        lengths[1::2] = s - s // 4
+        return (torch.arange(s, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(batch, 1, 1, s)
     if kind in ("learned_bias", "fixed_bias"):
-        bias = 0.1 * torch.randn(1, case["heads"], n, n, device=device, dtype=dtype)
+        bias = 0.1 * torch.randn(1, case["heads"], n, s, device=device, dtype=dtype)
         return bias.requires_grad_(backward and kind == "learned_bias")
     if kind:
         raise ValueError(f"case {case['name']}: unknown mask {kind!r}")
@@ -190,11 +199,11 @@ def flop_count(case):
     if case["kind"] in ("decode_step", "prefill"):
         return 0.0
     batch = max(case["batch"], 1)
-    n, h = case["seq_len"], case.get("heads", 1)
+    n, s, h = case["seq_len"], key_len(case), case.get("heads", 1)
     d = case.get("head_dim", case.get("d_model", 0) // h)
     window = case.get("window", 0)
-    attention_flops = (4.0 * batch * h * n * min(n, window) * d if window
-                       else 4.0 * batch * h * n * n * d * (0.5 if case.get("causal") else 1.0))
+    attention_flops = (4.0 * batch * h * n * min(s, window) * d if window
+                       else 4.0 * batch * h * n * s * d * (0.5 if case.get("causal") else 1.0))
     core = case["kind"].startswith("core_")
     projections = 0.0 if core else 3 * 2.0 * batch * n * case["d_model"] ** 2
     if case["kind"] not in ("module_forward", "core_forward"):
@@ -217,7 +226,7 @@ def make_iteration(case, impl, device):
     if case["kind"].startswith("core_"):
         batch = max(case["batch"], 1)
         shape = (batch, case["heads"], case["seq_len"], case["head_dim"])
-        kv_shape = (batch, case.get("kv_heads", case["heads"]), case["seq_len"], case["head_dim"])
+        kv_shape = (batch, case.get("kv_heads", case["heads"]), key_len(case), case["head_dim"])
         q = torch.randn(shape, device=device, dtype=dtype, requires_grad=backward)
         k, v = (torch.randn(kv_shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(2))
         grad_output = torch.randn(shape, device=device, dtype=dtype)
@@ -315,6 +324,8 @@ def shrunk(case):
     grouped heads, causal, window, mask, dropout, autocast): what --smoke runs. The same shrinking as
     qkv-bench --smoke's."""
     small = dict(case, batch=min(case["batch"], 2), seq_len=min(case["seq_len"], 16))
+    if "key_len" in case:
+        small["key_len"] = min(case["key_len"], 24)  # still unlike seq_len where the case's is
     if "head_dim" in case:
         small["head_dim"] = 8
     if "d_model" in case:

@@ -56,7 +56,10 @@ def shape_of(case):
     if case["kind"] == "sgemm":
         return f"{case['seq_len']}x{case['seq_len']} {case['dtype']}"
     if case["kind"].startswith("core_"):
-        text = f"B={case['batch']} H={case['heads']} N={case['seq_len']} D={case['head_dim']}"
+        text = f"B={case['batch']} H={case['heads']} N={case['seq_len']}"
+        if case.get("key_len", case["seq_len"]) != case["seq_len"]:
+            text += f" S={case['key_len']}"
+        text += f" D={case['head_dim']}"
         if case.get("kv_heads", case["heads"]) != case["heads"]:
             text += f" Hkv={case['kv_heads']}"
     else:
@@ -71,6 +74,8 @@ def shape_of(case):
         text += f" window {case['window']}"
     if case.get("dropout"):
         text += f" dropout {case['dropout']:g}"
+    if case.get("mask"):
+        text += f" {case['mask'].replace('_', ' ')} mask"
     return text + " " + case["dtype"]
 
 

@@ -40,6 +40,7 @@ namespace {
 struct Case {
   std::string name, device, kind, impl, dtype;
   int64_t batch = 0, seq_len = 0, d_model = 0, heads = 1, head_dim = 0, kv_heads = 0;
+  int64_t key_len = 0;   // core cases: keys and values S (cross-attention); unset: seq_len
   bool causal = false;
   int64_t window = 0;    // core cases: sliding window (causal); 0: none
   std::string mask;      // core cases: "key_padding", "learned_bias" or "fixed_bias" (core_mask); "": none
@@ -47,6 +48,8 @@ struct Case {
   int64_t warmup = 3;    // iterations before timing (1 for the very long cases)
   std::string autocast;  // module cases: "bfloat16" runs the float32 model under autocast (bf16-mixed)
 };
+
+bool is_core(const Case& c) { return c.kind.rfind("core_", 0) == 0; }
 
 Case parse_case(const nlohmann::json& j) {
   Case c;
@@ -57,6 +60,7 @@ Case parse_case(const nlohmann::json& j) {
   c.dtype = j.at("dtype");
   c.batch = j.at("batch");
   c.seq_len = j.at("seq_len");
+  c.key_len = j.value("key_len", c.seq_len);
   c.d_model = j.value("d_model", int64_t{0});
   c.heads = j.value("heads", int64_t{1});
   c.head_dim = j.value("head_dim", c.heads > 0 && c.d_model > 0 ? c.d_model / c.heads : int64_t{0});
@@ -67,6 +71,11 @@ Case parse_case(const nlohmann::json& j) {
   c.dropout = j.value("dropout", 0.0);
   c.warmup = j.value("warmup", int64_t{3});
   c.autocast = j.value("autocast", "");
+  // Both sides build the causal and window structure for N = S only, and only core cases have keys
+  // of their own.
+  if (c.key_len != c.seq_len && (!is_core(c) || c.causal || c.window > 0)) {
+    throw std::invalid_argument("case " + c.name + ": key_len is for core cases without causal or window");
+  }
   return c;
 }
 
@@ -77,24 +86,23 @@ qkv::AttentionBackend backend_of(const std::string& impl) {
   return qkv::AttentionBackend::Math;
 }
 
-bool is_core(const Case& c) { return c.kind.rfind("core_", 0) == 0; }
 bool has_backward(const Case& c) {
   return c.kind != "module_forward" && c.kind != "core_forward" && c.kind != "decode_step" && c.kind != "prefill" &&
          c.kind != "sgemm";
 }
 
-// FLOPs of one iteration, as FlashAttention's papers count them: attention forward 4·B·H·N²·D
+// FLOPs of one iteration, as FlashAttention's papers count them: attention forward 4·B·H·N·S·D
 // (halved when causal), backward 2.5× forward; each projection 2·tokens·E_in·E_out forward and
 // twice that backward (the input's and the weight's gradients). Adam and the loss are not counted.
 double flop_count(const Case& c) {
   if (c.kind == "sgemm") return 2.0 * static_cast<double>(c.seq_len) * c.seq_len * c.seq_len;
   if (c.kind == "decode_step" || c.kind == "prefill") return 0.0;  // reported as time per token
   const double batch = static_cast<double>(std::max<int64_t>(c.batch, 1));
-  const double n = static_cast<double>(c.seq_len), h = static_cast<double>(c.heads),
-               d = static_cast<double>(c.head_dim);
-  // A sliding window of W keys: about N·W score pairs instead of N² (or N²/2 causal).
-  double attention = c.window > 0 ? 4.0 * batch * h * n * std::min(n, static_cast<double>(c.window)) * d
-                                  : 4.0 * batch * h * n * n * d * (c.causal ? 0.5 : 1.0);
+  const double n = static_cast<double>(c.seq_len), s = static_cast<double>(c.key_len),
+               h = static_cast<double>(c.heads), d = static_cast<double>(c.head_dim);
+  // A sliding window of W keys: about N·W score pairs instead of N·S (or N²/2 causal).
+  double attention = c.window > 0 ? 4.0 * batch * h * n * std::min(s, static_cast<double>(c.window)) * d
+                                  : 4.0 * batch * h * n * s * d * (c.causal ? 0.5 : 1.0);
   double projections = is_core(c) ? 0.0 : 3.0 * 2.0 * batch * n * static_cast<double>(c.d_model * c.d_model);
   if (has_backward(c)) {
     attention *= 1.0 + 2.5;
@@ -139,15 +147,15 @@ std::function<void()> make_decoding(const Case& c, const torch::Device& device, 
 // - "learned_bias": float (1, H, N, S) added to the scores and trained (its gradient taken), as a
 //   learned relative-position bias is; "fixed_bias": the same, not trained (ALiBi's).
 torch::Tensor core_mask(const Case& c, const torch::TensorOptions& options, bool backward) {
-  const int64_t batch = std::max<int64_t>(c.batch, 1), n = c.seq_len;
+  const int64_t batch = std::max<int64_t>(c.batch, 1), n = c.seq_len, s = c.key_len;
   if (c.mask == "key_padding") {
-    const auto positions = torch::arange(n, options.dtype(torch::kLong));
-    auto lengths = torch::full({batch}, n, options.dtype(torch::kLong));
-    lengths.index_put_({torch::indexing::Slice(1, torch::indexing::None, 2)}, n - n / 4);
-    return positions.unsqueeze(0).lt(lengths.unsqueeze(1)).view({batch, 1, 1, n});
+    const auto positions = torch::arange(s, options.dtype(torch::kLong));
+    auto lengths = torch::full({batch}, s, options.dtype(torch::kLong));
+    lengths.index_put_({torch::indexing::Slice(1, torch::indexing::None, 2)}, s - s / 4);
+    return positions.unsqueeze(0).lt(lengths.unsqueeze(1)).view({batch, 1, 1, s});
   }
   if (c.mask == "learned_bias" || c.mask == "fixed_bias") {
-    return (0.1 * torch::randn({1, c.heads, n, n}, options)).requires_grad_(backward && c.mask == "learned_bias");
+    return (0.1 * torch::randn({1, c.heads, n, s}, options)).requires_grad_(backward && c.mask == "learned_bias");
   }
   if (!c.mask.empty()) throw std::invalid_argument("case " + c.name + ": unknown mask \"" + c.mask + "\"");
   return {};
@@ -165,7 +173,7 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
   if (is_core(c)) {
     // q, k, v: (B, H, N, D), as the attention core sees them inside the module.
     const std::vector<int64_t> shape{std::max<int64_t>(c.batch, 1), c.heads, c.seq_len, c.head_dim};
-    const std::vector<int64_t> kv_shape{std::max<int64_t>(c.batch, 1), c.kv_heads, c.seq_len, c.head_dim};
+    const std::vector<int64_t> kv_shape{std::max<int64_t>(c.batch, 1), c.kv_heads, c.key_len, c.head_dim};
     const bool backward = has_backward(c);
     auto q = torch::randn(shape, options).requires_grad_(backward);
     auto k = torch::randn(kv_shape, options).requires_grad_(backward);
@@ -231,6 +239,7 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
 Case shrunk(Case c) {
   c.batch = std::min<int64_t>(c.batch, 2);
   c.seq_len = std::min<int64_t>(c.seq_len, 16);
+  c.key_len = std::min<int64_t>(c.key_len, 24);  // still unlike seq_len where the case's is
   if (c.d_model > 0) c.d_model = 8 * c.heads;
   c.head_dim = 8;
   if (c.window > 0) c.window = 4;
