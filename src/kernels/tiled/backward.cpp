@@ -107,6 +107,8 @@ struct HeadGroups {
   int64_t batches = 1, kv_heads = 1;  // per group
   int64_t groups = 0;
 
+  bool batch_inner = false;  // groups of one key/value head follow each other (Problem::batch_inner)
+
   template <typename acc_t>
   static HeadGroups of(const Problem<acc_t>& p, bool mask_gradient_summed) {
     HeadGroups g;
@@ -115,14 +117,17 @@ struct HeadGroups {
       g.kv_heads = p.mask.heads == 1 ? p.Hkv : 1;
     }
     g.groups = (p.B / g.batches) * (p.Hkv / g.kv_heads);
+    g.batch_inner = p.batch_inner();
     return g;
   }
   int64_t heads() const { return batches * kv_heads; }
   // The `member`th head (b, kv_head) of group `group`, as b · Hkv + kv_head.
   int64_t head(int64_t group, int64_t member, int64_t Hkv) const {
-    const int64_t kv_groups = Hkv / kv_heads;
-    const int64_t b = (group / kv_groups) * batches + member / kv_heads;
-    const int64_t kv_head = (group % kv_groups) * kv_heads + member % kv_heads;
+    const int64_t kv_groups = Hkv / kv_heads, batch_groups = groups / kv_groups;
+    const int64_t batch_group = batch_inner ? group % batch_groups : group / kv_groups;
+    const int64_t kv_group = batch_inner ? group / batch_groups : group % kv_groups;
+    const int64_t b = batch_group * batches + member / kv_heads;
+    const int64_t kv_head = kv_group * kv_heads + member % kv_heads;
     return b * Hkv + kv_head;
   }
 };

@@ -71,6 +71,13 @@ struct Problem {
   DropoutStream dropout{0, 0.0};
 
   int64_t groups() const { return H / Hkv; }
+  // Whether the tasks take the batch elements of one head one after the other (head-major order)
+  // rather than the heads of one batch element: where one mask of several heads or rows serves the
+  // whole batch (a bias (1, H, N, S), ALiBi's or a relative-position table), so that its block of
+  // each head is read from the cache B times, not streamed from memory once per batch element.
+  bool batch_inner() const {
+    return mask.defined() && mask.batches == 1 && B > 1 && (mask.heads > 1 || mask.stride_row != 0);
+  }
   // The softmax scale is applied after the block product QKᵀ where it can be, inside the
   // exponential's fused multiply-add (or with an additive mask), so that the product's sums go
   // out as they are; a scale that is not positive (which would turn the row maximum into a
