@@ -130,13 +130,22 @@ def goals_of(case):
     return ([("fastest", case["goal"])] if case.get("goal") is not None else []) + named
 
 
-def judged_goals(case, qkv_ms, results, best_impl):
-    """Each of the case's goals that this side's implementations allow judging: the ratio (median
-    of the rounds' PyTorch time / qkv time) against the implementation the goal names."""
+def goal_torch(case, impl):
+    """The PyTorch version a goal against `impl` was set against (cases.json's "goals_torch", a
+    version prefix such as "1.13"), or None: a goal of 10x the documents' class on PyTorch 1.13 says
+    nothing of that class on a PyTorch whose products are faster."""
+    return case.get("goals_torch", {}).get(impl)
+
+
+def judged_goals(case, qkv_ms, results, best_impl, torch_version=""):
+    """Each of the case's goals that this side's implementations and PyTorch version allow judging:
+    the ratio (median of the rounds' PyTorch time / qkv time) against the implementation the goal
+    names."""
     judged = []
     for impl, goal in goals_of(case):
         against = best_impl if impl == "fastest" else impl
-        if against not in results:
+        scope = goal_torch(case, impl)
+        if against not in results or (scope is not None and not torch_version.startswith(scope)):
             continue
         ratio = statistics.median(p / q for q, p in zip(qkv_ms, results[against]["ms"]))
         judged.append({"against": impl, "impl": against, "goal": goal, "ratio": ratio, "met": ratio >= goal})
@@ -149,7 +158,8 @@ def goal_cell(row):
     goals = row["goals"]
     if not goals:
         return ""
-    stated = ", ".join(f"≥{g['goal']:g}×" + ("" if g["against"] == "fastest" else f" {g['against']}") for g in goals)
+    stated = ", ".join(f"≥{g['goal']:g}×" + ("" if g["against"] == "fastest" else f" {g['against']}") +
+                       (f" (PyTorch {g['torch']})" if g.get("torch") else "") for g in goals)
     verdicts = []
     for side, entry in row["pytorch"].items():
         for judged in entry["goals"]:
@@ -229,7 +239,8 @@ def main():
         row = {"case": name, "shape": shape_of(case), "kind": case["kind"], "qkv_ms": statistics.median(qkv_ms),
                "qkv_ms_rounds": qkv_ms, "qkv_flops_per_s": statistics.median(qkv_flops), "qkv_flops_rounds": qkv_flops,
                "qkv_peak_memory_bytes": max(qkv_peak), "qkv_peak_above_baseline_bytes": max(qkv_above),
-               "goals": [{"against": impl, "goal": goal} for impl, goal in goals_of(case)],
+               "goals": [{"against": impl, "goal": goal, "torch": goal_torch(case, impl)}
+                         for impl, goal in goals_of(case)],
                "memory_goal": case.get("memory_goal"), "pytorch": {}}
         for side in sides:
             results, versions = read_pytorch(args.raw, side, name)
@@ -246,7 +257,7 @@ def main():
                      "peak_memory_bytes": max(best["peak"]), "ratio_rounds": pairs, "ratio": statistics.median(pairs),
                      "all": {impl: {"ms_rounds": v["ms"], "peak_memory_bytes": max(v["peak"])}
                              for impl, v in results.items()}}
-            entry["goals"] = judged_goals(case, qkv_ms, results, best_impl)
+            entry["goals"] = judged_goals(case, qkv_ms, results, best_impl, versions["torch_version"])
             if entry["goals"]:
                 entry["goal_met"] = all(judged["met"] for judged in entry["goals"])
             if row["memory_goal"] is not None:

@@ -34,7 +34,8 @@ def qkv_result(ms, flops, isa):
 
 
 def pytorch_result(ms_by_impl):
-    return {"torch_version": "test", "threads": 2, "python": "3",
+    # 1.13: the PyTorch that cases.json's goal against the documents' class was set on (goals_torch)
+    return {"torch_version": "1.13.0a0+test", "threads": 2, "python": "3",
             "results": [{"impl": impl, "median_s": ms / 1e3, "flops_per_s": 1.0, "peak_memory_bytes": 1.0}
                         for impl, ms in ms_by_impl.items()]}
 
@@ -75,7 +76,8 @@ for isa, core_goal, rate_goal in (("amx_bf16", 3.0, 0.5), ("avx512_bf16", 1.5, N
               for g in rows["flash_n512_bh64_forward_backward"]["pytorch"]["host"]["goals"]}
     if judged != {"documents": (20.0, 10.0, True), "sdpa": (2.0, 0.9, True)}:
         failures.append(f"{isa}: goals against each implementation judged {judged}")
-    if "| ≥10× documents, ≥0.9× sdpa: host met (documents), host met (sdpa) |" not in stdout.replace("  ", ""):
+    if ("| ≥10× documents (PyTorch 1.13), ≥0.9× sdpa: host met (documents), host met (sdpa) |"
+            not in stdout.replace("  ", "")):
         failures.append(f"{isa}: the table does not give each implementation's goal:\n{stdout}")
     compared = {c["case"]: c for c in results["bfloat16_against_float32"]}
     core = compared.get("bf16_n512_bh64_forward_backward")
@@ -103,6 +105,14 @@ if verdicts != {"sdpa": True, "documents": False}:
     failures.append(f"goals against named implementations: {verdicts}, expected sdpa met, documents missed")
 if bench_table.judged_goals({"goal": 1.0}, [2.0], {"sdpa": {"ms": [1.0]}}, "sdpa")[0]["met"]:
     failures.append("a plain goal against the fastest implementation: 0.5x judged met")
+# A goal set against one PyTorch version (goals_torch) is judged on that version only.
+scoped = dict(case, goals_torch={"documents": "1.13"})
+runs = {"sdpa": {"ms": [1.5, 1.5]}, "documents": {"ms": [5.0, 5.0]}}
+on_113 = {g["impl"] for g in bench_table.judged_goals(scoped, [1.0, 1.0], runs, "sdpa", "1.13.0a0+git")}
+on_214 = {g["impl"] for g in bench_table.judged_goals(scoped, [1.0, 1.0], runs, "sdpa", "2.14.1+debian")}
+if on_113 != {"sdpa", "documents"} or on_214 != {"sdpa"}:
+    failures.append(f"goals scoped to PyTorch 1.13: judged {on_113} on 1.13 and {on_214} on 2.14, "
+                    "expected both on 1.13 and only sdpa on 2.14")
 if bench_table.judged_goals(case, [1.0], {"math": {"ms": [9.0]}}, "math"):
     failures.append("a goal named for an implementation that did not run was judged")
 
