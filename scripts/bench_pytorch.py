@@ -43,15 +43,16 @@ class SelfAttention(nn.Module):
         self.W_v = nn.Linear(d_model, d_model)
         self.heads, self.causal, self.use_sdpa = heads, causal, use_sdpa
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
+        """mask: None, or bool (true = attend) or float (added to the scores), broadcast to (B, H, N, N)."""
         Q, K, V = self.W_q(x), self.W_k(x), self.W_v(x)
-        if self.heads == 1 and not self.causal and not self.use_sdpa:
+        if self.heads == 1 and not self.causal and not self.use_sdpa and mask is None:
             scores = Q @ K.transpose(-2, -1) / (K.size(-1) ** 0.5)
             attn_weights = F.softmax(scores, dim=-1)
             return attn_weights @ V
         *lead, n, e = x.shape
         split = lambda t: t.reshape(*lead, n, self.heads, e // self.heads).transpose(-3, -2)  # (..., H, N, D)
-        out = attention(split(Q), split(K), split(V), self.causal, self.use_sdpa)
+        out = attention(split(Q), split(K), split(V), self.causal, self.use_sdpa, mask=mask)
         return out.transpose(-3, -2).reshape(*lead, n, e)
 
 
@@ -81,6 +82,34 @@ def core_mask(case, device, dtype, backward):
     if kind:
         raise ValueError(f"case {case['name']}: unknown mask {kind!r}")
     return None
+
+
+def module_mask(case, device, dtype, backward):
+    """A module case's masks, as qkv-bench's module_mask builds them, joined into the one mask a
+    PyTorch user gives sdpa: case["mask"] names one or both of "key_padding" (every other batch
+    row's last quarter of keys padded) and "learned_bias" (a per-head bias (1, H, N, N), its gradient
+    taken in backward cases), joined by "+"; with both, the bias with -inf at the padded keys
+    (B, H, N, N), formed anew each step as the bias changes."""
+    if not case.get("mask"):
+        return None, lambda: None
+    if not case["batch"]:
+        raise ValueError(f"case {case['name']}: a module case's masks need a batch")
+    batch, n = case["batch"], case["seq_len"]
+    padding = bias = None
+    for part in case["mask"].split("+"):
+        if part == "key_padding":
+            lengths = torch.full((batch,), n, dtype=torch.long, device=device)
+            lengths[1::2] = n - n // 4
+            padding = (torch.arange(n, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(batch, 1, 1, n)
+        elif part == "learned_bias":
+            bias = (0.1 * torch.randn(1, case["heads"], n, n, device=device, dtype=dtype)).requires_grad_(backward)
+        else:
+            raise ValueError(f"case {case['name']}: unknown module mask {part!r}")
+    if bias is None:
+        return None, lambda: padding
+    if padding is None:
+        return bias, lambda: bias
+    return bias, lambda: bias.masked_fill(~padding, float("-inf"))
 
 
 def attention(q, k, v, causal, use_sdpa, dropout=0.0, window=0, mask=None):
@@ -250,16 +279,21 @@ def make_iteration(case, impl, device):
     shape = (case["batch"], case["seq_len"], case["d_model"]) if case["batch"] else (case["seq_len"], case["d_model"])
     x = torch.randn(shape, device=device, dtype=dtype)
     target = torch.randn(shape, device=device, dtype=dtype)
+    bias, mask = module_mask(case, device, dtype, backward)
     if case["kind"] == "module_forward":
         def forward():
             with torch.no_grad():
-                model(x)
+                model(x, mask())
         return forward
     if case["kind"] == "module_forward_backward":
         def forward_backward():
             model.zero_grad()
-            F.mse_loss(model(x), target).backward()
+            if bias is not None:
+                bias.grad = None
+            F.mse_loss(model(x, mask()), target).backward()
         return forward_backward
+    if bias is not None or mask() is not None:
+        raise ValueError(f"case {case['name']}: masks are for core and module_forward(_backward) cases")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     autocast_dtype = getattr(torch, case["autocast"]) if case.get("autocast") else None

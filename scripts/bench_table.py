@@ -75,7 +75,7 @@ def shape_of(case):
     if case.get("dropout"):
         text += f" dropout {case['dropout']:g}"
     if case.get("mask"):
-        text += f" {case['mask'].replace('_', ' ')} mask"
+        text += f" {case['mask'].replace('_', ' ').replace('+', ' and ')} mask"
     return text + " " + case["dtype"]
 
 

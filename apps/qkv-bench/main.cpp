@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <functional>
 #include <iostream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -43,7 +44,7 @@ struct Case {
   int64_t key_len = 0;   // core cases: keys and values S (cross-attention); unset: seq_len
   bool causal = false;
   int64_t window = 0;    // core cases: sliding window (causal); 0: none
-  std::string mask;      // core cases: "key_padding", "learned_bias" or "fixed_bias" (core_mask); "": none
+  std::string mask;      // "key_padding", "learned_bias" or "fixed_bias" (core_mask; module cases: module_mask); "": none
   double dropout = 0.0;  // core cases: attention dropout while training
   int64_t warmup = 3;    // iterations before timing (1 for the very long cases)
   std::string autocast;  // module cases: "bfloat16" runs the float32 model under autocast (bf16-mixed)
@@ -161,6 +162,30 @@ torch::Tensor core_mask(const Case& c, const torch::TensorOptions& options, bool
   return {};
 }
 
+// A module case's masks, as scripts/bench_pytorch.py builds them: `c.mask` names one or both of
+// "key_padding" (key_mask (B, S), every other batch row's last quarter of keys padded: a padded
+// batch) and "learned_bias" (attn_mask (1, H, N, S), a per-head bias trained with the model, its
+// gradient taken in backward cases), joined by "+".
+qkv::AttentionMask module_mask(const Case& c, const torch::TensorOptions& options, bool backward) {
+  qkv::AttentionMask mask;
+  if (c.mask.empty()) return mask;
+  if (c.batch == 0) throw std::invalid_argument("case " + c.name + ": a module case's masks need a batch");
+  const int64_t n = c.seq_len;
+  std::stringstream parts(c.mask);
+  for (std::string part; std::getline(parts, part, '+');) {
+    if (part == "key_padding") {
+      auto lengths = torch::full({c.batch}, n, options.dtype(torch::kLong));
+      lengths.index_put_({torch::indexing::Slice(1, torch::indexing::None, 2)}, n - n / 4);
+      mask.key_mask = qkv::key_mask_from_lengths(lengths, n);
+    } else if (part == "learned_bias") {
+      mask.attn_mask = (0.1 * torch::randn({1, c.heads, n, n}, options)).requires_grad_(backward);
+    } else {
+      throw std::invalid_argument("case " + c.name + ": unknown module mask \"" + part + "\"");
+    }
+  }
+  return mask;
+}
+
 // One iteration of `c`, with everything it needs built once.
 std::function<void()> make_iteration(const Case& c, const torch::Device& device) {
   torch::manual_seed(0);
@@ -203,18 +228,21 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
       c.batch > 0 ? std::vector<int64_t>{c.batch, c.seq_len, c.d_model} : std::vector<int64_t>{c.seq_len, c.d_model};
   auto x = torch::randn(input_shape, options);
   auto target = torch::randn(input_shape, options);
+  const auto mask = module_mask(c, options, has_backward(c));
   if (c.kind == "module_forward") {
     return [=]() mutable {
       torch::NoGradGuard no_grad;
-      model->forward(x);
+      model->forward(x, {}, mask);
     };
   }
   if (c.kind == "module_forward_backward") {
     return [=]() mutable {
       model->zero_grad();
-      torch::mse_loss(model->forward(x), target).backward();
+      if (mask.attn_mask.requires_grad()) mask.attn_mask.mutable_grad() = torch::Tensor();
+      torch::mse_loss(model->forward(x, {}, mask), target).backward();
     };
   }
+  if (!mask.empty()) throw std::invalid_argument("case " + c.name + ": masks are for core and module_forward(_backward) cases");
   auto optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
   const bool mixed = !c.autocast.empty();
   const auto autocast_dtype = mixed ? qkv_cli::dtype_from_name(c.autocast) : torch::kFloat;
