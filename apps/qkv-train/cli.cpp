@@ -187,6 +187,8 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config,
       ->default_str("by task");
   app.add_option("--optimizer", config.optimizer, "Optimizer of the toy tasks (lm uses AdamW)")
       ->check(CLI::IsMember({"adam", "sgd"}));
+  app.add_option("--momentum", config.momentum, "Momentum of --optimizer sgd (0 = plain SGD; below 1)")
+      ->check(qkv_cli::real_in(0.0, 0.999));
   app.add_option("--seed", config.seed,
                  "Random seed (42 = the documents' example; a negative one as torch.manual_seed takes it)")
       ->transform(torch_seed());
@@ -333,6 +335,10 @@ int parse_command_line(int argc, const char* const* argv, RunConfig& config,
   if (config.precision != "fp32" && config.dtype_name != "float32") {
     return usage_error("--precision " + config.precision + " keeps float32 weights and optimizer state and computes "
                        "in lower precision under autocast; it needs --dtype float32, got --dtype " + config.dtype_name);
+  }
+  if (config.momentum > 0.0 && config.optimizer != "sgd") {
+    return usage_error("--momentum is SGD's: it needs --optimizer sgd, got --optimizer " + config.optimizer +
+                       " (Adam keeps moments of its own)");
   }
   if (const auto problem = task.check(config); !problem.empty()) return usage_error(problem);
   if (resume_checkpoint != nullptr) *resume_checkpoint = std::move(checkpoint);

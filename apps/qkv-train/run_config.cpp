@@ -57,6 +57,7 @@ const std::vector<OptionField>& fields() {
       field("data", "--data", Role::Model, &RunConfig::data_path),
       field("batch", "--batch", Role::RunWarn, &RunConfig::batch),
       field("lr", "--lr", Role::RunWarn, &RunConfig::lr),
+      field("momentum", "--momentum", Role::RunWarn, &RunConfig::momentum),
       field("seed", "--seed", Role::RunWarn, &RunConfig::seed),
       field("dropout", "--dropout", Role::RunWarn, &RunConfig::dropout),
       field("weight_decay", "--weight-decay", Role::RunWarn, &RunConfig::weight_decay),

@@ -37,6 +37,7 @@ struct RunConfig {
   double lr = 0.0;
   std::optional<int64_t> kv_heads;  // grouped-query attention; unset = heads
   std::string optimizer = "adam";   // adam | sgd (toy tasks)
+  double momentum = 0.0;            // SGD's (--optimizer sgd); 0 = none
   uint64_t seed = 42;
   int threads = 0;  // 0: LibTorch's default
   bool causal = false;

@@ -48,7 +48,8 @@ std::vector<TaskSpec> make_registry() {
   reverse.description = "output position i copies input position N-1-i (attention learns the anti-diagonal)";
   reverse.defaults = {48, 1, 16, 64, 800, 0.01, 50, 100};
   reverse.flags =
-      with_trained_flags({"--d-model", "--heads", "--kv-heads", "--seq-len", "--optimizer", "--causal", "--scale"});
+      with_trained_flags({"--d-model", "--heads", "--kv-heads", "--seq-len", "--optimizer", "--momentum", "--causal",
+                          "--scale"});
   reverse.check = [](const RunConfig& c) -> std::string {
     if (c.d_model <= c.seq_len) {
       return "--task reverse needs --d-model > --seq-len (each token is content plus a one-hot position), got "

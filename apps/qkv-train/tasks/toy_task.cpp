@@ -39,7 +39,8 @@ class ToyTask : public TrainableTask {
 
   std::unique_ptr<torch::optim::Optimizer> make_optimizer(double lr) override {
     if (config_.optimizer == "sgd") {
-      return std::make_unique<torch::optim::SGD>(model_->parameters(), torch::optim::SGDOptions(lr));
+      return std::make_unique<torch::optim::SGD>(model_->parameters(),
+                                                 torch::optim::SGDOptions(lr).momentum(config_.momentum));
     }
     return std::make_unique<torch::optim::Adam>(model_->parameters(), torch::optim::AdamOptions(lr));
   }
