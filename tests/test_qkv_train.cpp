@@ -267,27 +267,30 @@ TEST(TrainTasks, ResumedRunEqualsUninterruptedRunStepForStep) {
   }
 }
 
-// SGD with momentum keeps a buffer a parameter, which the checkpoint carries: 15 + 15 steps equal 30
-// to the bit, and the momentum takes effect: a step's loss is taken before its update, and SGD's
-// first update is the same with momentum or without (the velocity starts as the gradient), so the
-// runs agree on the losses of steps 1 and 2 and part from step 3 on.
+// SGD with momentum keeps a buffer a parameter, which the checkpoint carries (with --dtype
+// bfloat16, the float32 master weights' buffers): 15 + 15 steps equal 30 to the bit, and the
+// momentum takes effect: a step's loss is taken before its update, and SGD's first update is the
+// same with momentum or without (the velocity starts as the gradient), so the runs agree on the
+// losses of steps 1 and 2 and part from step 3 on.
 TEST(TrainTasks, SgdWithMomentumResumesExactly) {
-  const auto whole = fresh_dir("sgd_whole"), split = fresh_dir("sgd_split"), plain = fresh_dir("sgd_plain");
-  const std::string args = kSmallReverse + "--optimizer sgd --lr 0.05 --log-every 1 ";
-  ASSERT_EQ(train(args + "--momentum 0.9 --steps 30 --out " + whole.string()).exit_code, 0);
-  ASSERT_EQ(train(args + "--momentum 0.9 --steps 15 --out " + split.string()).exit_code, 0);
-  auto resumed = train("--resume " + split.string() + " --steps 30 --log-every 1 --quiet --json");
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_DOUBLE_EQ(nlohmann::json::parse(resumed.output)["options"]["momentum"].get<double>(), 0.9);
-  ASSERT_EQ(train(args + "--steps 30 --out " + plain.string()).exit_code, 0);
-  const auto expected = losses_by_step(whole / "metrics.csv");
-  ASSERT_EQ(expected.size(), 30u);
-  EXPECT_EQ(losses_by_step(split / "metrics.csv"), expected);
-  const auto without = losses_by_step(plain / "metrics.csv");
-  EXPECT_EQ(without.at(1), expected.at(1));
-  EXPECT_EQ(without.at(2), expected.at(2));
-  EXPECT_NE(without.at(3), expected.at(3));
-  for (const auto& out : {whole, split, plain}) fs::remove_all(out);
+  for (const std::string dtype : {"float32", "bfloat16"}) {
+    const auto whole = fresh_dir("sgd_whole"), split = fresh_dir("sgd_split"), plain = fresh_dir("sgd_plain");
+    const std::string args = kSmallReverse + "--optimizer sgd --lr 0.05 --log-every 1 --dtype " + dtype + " ";
+    ASSERT_EQ(train(args + "--momentum 0.9 --steps 30 --out " + whole.string()).exit_code, 0) << dtype;
+    ASSERT_EQ(train(args + "--momentum 0.9 --steps 15 --out " + split.string()).exit_code, 0) << dtype;
+    auto resumed = train("--resume " + split.string() + " --steps 30 --log-every 1 --quiet --json");
+    ASSERT_EQ(resumed.exit_code, 0) << dtype << ": " << resumed.output;
+    EXPECT_DOUBLE_EQ(nlohmann::json::parse(resumed.output)["options"]["momentum"].get<double>(), 0.9) << dtype;
+    ASSERT_EQ(train(args + "--steps 30 --out " + plain.string()).exit_code, 0) << dtype;
+    const auto expected = losses_by_step(whole / "metrics.csv");
+    ASSERT_EQ(expected.size(), 30u) << dtype;
+    EXPECT_EQ(losses_by_step(split / "metrics.csv"), expected) << dtype;
+    const auto without = losses_by_step(plain / "metrics.csv");
+    EXPECT_EQ(without.at(1), expected.at(1)) << dtype;
+    EXPECT_EQ(without.at(2), expected.at(2)) << dtype;
+    EXPECT_NE(without.at(3), expected.at(3)) << dtype;
+    for (const auto& out : {whole, split, plain}) fs::remove_all(out);
+  }
 }
 
 TEST(TrainTasks, IncompatibleResumeIsRefusedNamingTheOption) {
@@ -773,6 +776,20 @@ TEST(Checkpoints, AStateThatDoesNotFitTheModelOrItsOptimizerIsRefused) {
     torch::nn::Linear model(2, 2);
     torch::optim::Adam adam(std::vector<torch::Tensor>{model->weight, model->bias}, torch::optim::AdamOptions(0.1));
     EXPECT_THAT(load_error(*model, adam), HasSubstr("its optimizer state names one parameter's state twice"));
+  }
+  {  // SGD's momentum buffers (qkv-train --momentum) are checked as Adam's moments are.
+    torch::nn::Sequential sgd_saved(torch::nn::Linear(4, 3), torch::nn::Linear(3, 2));
+    torch::optim::SGD saved_sgd(sgd_saved->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    step_on_squares(*sgd_saved, saved_sgd);
+    save(*sgd_saved, saved_sgd);
+    torch::nn::Sequential model(torch::nn::Linear(4, 3), torch::nn::Linear(3, 2));
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    ASSERT_EQ(load_error(*model, sgd), "loaded");
+    auto parameters = model->parameters();
+    std::reverse(parameters.begin(), parameters.end());
+    torch::optim::SGD reversed(parameters, torch::optim::SGDOptions(0.1).momentum(0.9));
+    EXPECT_THAT(load_error(*model, reversed), HasSubstr("its optimizer state's momentum_buffer is [3, 4] float on cpu, "
+                                                        "where its parameter is [2] float on cpu"));
   }
   fs::remove_all(dir);
 }
