@@ -207,6 +207,73 @@ TEST_P(TiledOnCpu, MatchesTheMathPathOnOutputsAndEveryGradient) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, TiledOnCpu, ::testing::Values(torch::kDouble, torch::kFloat, torch::kBFloat16),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
 
+// Empty operands (no batch, no head, no query, no key, values of width 0) and a head width of 0
+// are valid inputs: every backend, forced, gives the output and every gradient of the plain
+// formula softmax(q kᵀ · scale) v in float64, with softmax over no key empty (so a query with no key
+// gets 0, as a fully masked row) and, for D = 0, scores of 0 whatever the scale: the weights are
+// uniform over the keys a query sees. Until 2026-12-07 the tiled kernel, forced, stopped on an
+// internal assert in the backward of an empty batch or query set, and gave NaN for D = 0 (0 · 1/√0).
+TEST(Backends, EmptyOperandsAndZeroHeadWidthInEveryBackend) {
+  struct Shape {
+    int64_t B, H, N, S, D, Dv;
+  };
+  const std::vector<Shape> shapes{{0, 2, 5, 6, 8, 8}, {2, 0, 5, 6, 8, 8}, {2, 2, 0, 6, 8, 8},
+                                  {2, 2, 5, 0, 8, 8}, {2, 2, 5, 6, 8, 0}, {2, 2, 5, 6, 0, 8},
+                                  {2, 3, 70, 300, 0, 5}};
+  std::vector<AttentionBackend> backends{AttentionBackend::Math, AttentionBackend::Tiled, AttentionBackend::Auto};
+  if (qkv::fused_backend_available()) backends.push_back(AttentionBackend::Fused);
+  torch::manual_seed(23);
+  for (const auto& s : shapes) {
+    for (const bool causal : {false, true}) {
+      for (const bool lengths : {false, true}) {
+        const auto q = torch::randn({s.B, s.H, s.N, s.D}, torch::kDouble);
+        const auto k = torch::randn({s.B, s.H, s.S, s.D}, torch::kDouble);
+        const auto v = torch::randn({s.B, s.H, s.S, s.Dv}, torch::kDouble);
+        const auto upstream = torch::randn({s.B, s.H, s.N, s.Dv}, torch::kDouble);
+        // Key lengths S - 1 and S (at least 0) alternating over the batch.
+        const auto key_lengths = (torch::full({s.B}, s.S, torch::kLong) - torch::arange(s.B) % 2).clamp_min(0);
+        // The reference: plain tensor operations, the masks as -inf.
+        auto allowed = torch::ones({s.B, 1, s.N, s.S}, torch::kBool);
+        if (causal) allowed &= torch::ones({s.N, s.S}, torch::kBool).tril();
+        if (lengths) allowed &= (torch::arange(s.S).view({1, -1}) < key_lengths.view({-1, 1})).view({s.B, 1, 1, s.S});
+        const auto rq = q.clone().requires_grad_(), rk = k.clone().requires_grad_(), rv = v.clone().requires_grad_();
+        const double scale = s.D > 0 ? 1.0 / std::sqrt(static_cast<double>(s.D)) : 1.0;
+        auto weights = torch::softmax(torch::matmul(rq, rk.transpose(-2, -1)).mul(scale).masked_fill(
+                                          allowed.logical_not(), -std::numeric_limits<double>::infinity()),
+                                      -1);
+        weights = weights.masked_fill(allowed.logical_not().all(-1, /*keepdim=*/true), 0.0);  // no key: 0
+        const auto want = torch::matmul(weights, rv);
+        want.backward(upstream);
+        for (const auto backend : backends) {
+          for (const auto dtype : {torch::kDouble, torch::kFloat}) {
+            std::ostringstream name;
+            name << "B" << s.B << " H" << s.H << " N" << s.N << " S" << s.S << " D" << s.D << " Dv" << s.Dv
+                 << (causal ? " causal" : "") << (lengths ? " key_lengths" : "") << " backend "
+                 << static_cast<int>(backend) << " " << dtype;
+            SCOPED_TRACE(name.str());
+            const auto leaf = [&](const torch::Tensor& t) { return t.to(dtype).clone().requires_grad_(); };
+            auto tq = leaf(q), tk = leaf(k), tv = leaf(v);
+            auto options = qkv::ScaledDotProductAttentionOptions().causal(causal).backend(backend);
+            if (lengths) options.key_lengths(key_lengths);
+            torch::Tensor output;
+            ASSERT_NO_THROW(output = qkv::scaled_dot_product_attention(tq, tk, tv, options).output);
+            ASSERT_NO_THROW(output.backward(upstream.to(dtype)));
+            const double tolerance = dtype == torch::kDouble ? 1e-12 : 1e-5;
+            ASSERT_EQ(output.sizes(), want.sizes());
+            EXPECT_LE(qkv_test::max_abs(output.to(torch::kDouble) - want), tolerance);
+            for (const auto& [got, expected] : {std::pair{tq.grad(), rq.grad()}, std::pair{tk.grad(), rk.grad()},
+                                                std::pair{tv.grad(), rv.grad()}}) {
+              ASSERT_TRUE(got.defined());
+              ASSERT_EQ(got.sizes(), expected.sizes());
+              EXPECT_LE(qkv_test::max_abs(got.to(torch::kDouble) - expected), tolerance);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // The PyTorch fixtures with the fused backend forced (the module's default picks it anyway where
 // it exists; forcing it makes the test fail, not pass, if Auto ever stops choosing it).
 TEST(Backends, ParityFixturesWithTheFusedBackend) {

@@ -116,6 +116,13 @@ Gradients run_backward(const Operands& o, const ForwardResult& forward, const to
   const auto& row_statistics = forward.row_statistics;
   const auto& q = o.q;
   Gradients grads;
+  if (grad_out.numel() == 0) {
+    // No output element (B, H, N or Dv is 0): every gradient is zero, and the kernel has no row to
+    // run whose key and value blocks would write them.
+    grads.q = torch::zeros_like(o.q), grads.k = torch::zeros_like(o.k), grads.v = torch::zeros_like(o.v);
+    if (want_mask_gradient) grads.mask = torch::zeros_like(o.mask);
+    return grads;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "qkv_tiled_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = problem_of<acc_t>(o, settings);
@@ -310,10 +317,14 @@ AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::T
   // Whether autograd will record this call (inside the Function's forward grad mode is off).
   const bool backward_follows = torch::GradMode::is_enabled() &&
                                 (q.requires_grad() || k.requires_grad() || v.requires_grad() || mask.requires_grad());
+  // With a head width of 0 every score is 0 (an empty dot product), whatever the scale, and the
+  // default scale 1/√0 is infinite: 0 · ∞ would make the scores NaN (the math path scales q, which
+  // is empty, and gets the zeros; the weights are then uniform over the keys a query sees).
+  const double scale = q.size(-1) == 0 ? 1.0 : resolved_scale(options, q.size(-1));
   AttentionResult result;
   result.output = compat::apply_autograd_function<tiled::TiledAttentionFunction>(
-      q, k, v, mask, key_lengths, resolved_scale(options, q.size(-1)), options.causal(), options.window().value_or(0),
-      dropout, static_cast<int64_t>(seed), backward_follows, grouped);
+      q, k, v, mask, key_lengths, scale, options.causal(), options.window().value_or(0), dropout,
+      static_cast<int64_t>(seed), backward_follows, grouped);
   result.backend = AttentionBackend::Tiled;
   return result;
 }

@@ -8,6 +8,9 @@
 namespace qkv::kernels::tiled {
 
 bool kernel_readable(const torch::Tensor& t) {
+  // An empty tensor's strides can be anything (an expanded gradient of an empty output: all 0),
+  // and contiguous() leaves them so.
+  if (t.numel() == 0) return true;
   const int64_t rows = t.size(-2), width = t.size(-1);
   const bool unit_width_stride = width <= 1 || t.stride(-1) == 1;
   const bool rows_apart = rows <= 1 || t.stride(-2) >= width;
