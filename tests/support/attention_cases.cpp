@@ -82,8 +82,8 @@ Layout draw_layout(Chooser& chooser) {
   return kLayouts[chooser.pick(std::size(kLayouts))];
 }
 
-// The mask's shape for a case: what the kind allows, every one broadcastable to (B, H, N, S).
-std::vector<int64_t> draw_mask_shape(Chooser& chooser, const AttentionCase& c) {
+// The shapes a case's mask kind allows, every one broadcastable to (B, H, N, S).
+std::vector<std::vector<int64_t>> mask_shapes(const AttentionCase& c) {
   std::vector<std::vector<int64_t>> shapes;
   switch (c.mask) {
     case MaskKind::BoolKeys:
@@ -103,9 +103,16 @@ std::vector<int64_t> draw_mask_shape(Chooser& chooser, const AttentionCase& c) {
       shapes = {{c.N, c.S}, {1, c.H, c.N, c.S}, {c.B, 1, c.N, c.S}, {c.B, c.H, c.N, c.S}, {c.H, 1, c.S}, {1, c.S}};
       break;
     default:
-      return {};
+      break;
   }
-  auto shape = chooser.one_of(shapes);
+  return shapes;
+}
+
+// The case's mask shape: its kind's shape number mask_shape_choice for its sizes.
+std::vector<int64_t> mask_shape_of(const AttentionCase& c) {
+  const auto shapes = mask_shapes(c);
+  if (shapes.empty()) return {};
+  auto shape = shapes.at(static_cast<size_t>(c.mask_shape_choice));
   // Unbatched cases have no B: drop a leading B (or 1) of a rank-4 shape.
   if (c.unbatched && shape.size() == 4) shape.erase(shape.begin());
   return shape;
@@ -135,7 +142,8 @@ AttentionCase draw_case(Chooser& chooser, int64_t max_positions, const std::func
                             MaskKind::FloatGrad,     MaskKind::FloatGradInf};
   c.mask = kinds[chooser.pick(std::size(kinds))];
   if (c.unbatched && c.mask == MaskKind::KeyLengths) c.mask = MaskKind::BoolKeys;  // key_lengths need a batch
-  c.mask_shape = draw_mask_shape(chooser, c);
+  if (const auto shapes = mask_shapes(c); !shapes.empty()) c.mask_shape_choice = chooser.pick(static_cast<int64_t>(shapes.size()));
+  c.mask_shape = mask_shape_of(c);
   c.q_layout = draw_layout(chooser);
   c.k_layout = draw_layout(chooser);
   c.v_layout = draw_layout(chooser);
@@ -143,6 +151,19 @@ AttentionCase draw_case(Chooser& chooser, int64_t max_positions, const std::func
   c.dtype = chooser.one_of<torch::ScalarType>({torch::kFloat, torch::kFloat, torch::kDouble, torch::kBFloat16});
   if (chooser.chance(5)) c.scale = 0.37;
   c.seed = static_cast<uint64_t>(chooser.pick(1 << 20));
+  // One case in 12 with nothing along one dimension: no batch, no query, no key, or a head or
+  // value width of 0 (valid inputs; the tiled kernel once failed on them). Drawn last, as 11 of
+  // 12, so that the inputs saved before it (a fuzzer's bytes run out as 0s) decode as they did.
+  if (chooser.pick(12) == 11) {
+    switch (chooser.pick(5)) {
+      case 0: c.B = c.unbatched ? c.B : 0; break;
+      case 1: c.N = 0; break;
+      case 2: c.S = 0; break;
+      case 3: c.D = 0; break;
+      default: c.Dv = 0; break;
+    }
+    c.mask_shape = mask_shape_of(c);
+  }
   return c;
 }
 
@@ -184,6 +205,7 @@ std::pair<torch::Tensor, std::function<torch::Tensor(const torch::Tensor&)>> lai
     }
     case Layout::Unfolded: {
       // Row r is elements r .. r + C - 1 of one long row: every row overlaps the next.
+      if (rows == 0 || columns == 0) break;  // no rows to overlap (unfold takes no window of 0)
       std::vector<int64_t> stored(sizes.begin(), sizes.end() - 2);
       stored.push_back(rows + columns - 1);
       return {values(stored), [columns](const torch::Tensor& t) { return t.unfold(-1, columns, 1); }};

@@ -90,6 +90,7 @@ struct AttentionCase {
   bool unbatched = false;  // q, k, v of rank 3 (H, N, D): no batch dimension
   MaskKind mask = MaskKind::None;
   std::vector<int64_t> mask_shape;  // of the float/bool mask
+  int64_t mask_shape_choice = 0;    // which of the mask kind's shapes (draw_mask_shape)
   Layout q_layout = Layout::Contiguous, k_layout = Layout::Contiguous, v_layout = Layout::Contiguous;
   Layout mask_layout = Layout::Contiguous;
   torch::ScalarType dtype = torch::kFloat;
