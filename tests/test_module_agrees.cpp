@@ -129,6 +129,23 @@ ModuleCase draw(uint32_t seed) {
   // noise in any implementation (1/√eps times the input's rounding: 6.5e-6 in a mask gradient
   // that is exactly 0), which no relative measure can judge.
   if (c.block && c.H * c.D == 1) c.D = 2;
+  // One case in 12 with nothing along one dimension: no batch, no position, or (cross-attention) no
+  // context. Drawn last, so that the other seeds keep their cases; the mask keeps its kind, its
+  // sizes those of the new case (a leading 1 of a 4-D mask broadcasts over an empty batch as over any).
+  if (pick(12) == 11) {
+    const int64_t old_batch = c.B;
+    switch (pick(3)) {
+      case 0: c.B = c.unbatched ? c.B : 0; break;
+      case 1: c.N = 0, c.S = c.cross ? c.S : 0; break;
+      default: c.S = c.cross ? 0 : c.S; break;
+    }
+    if (c.B == 0 && c.input_layout == 3) c.input_layout = 0;  // no batch element to expand
+    auto& shape = c.attn_mask_shape;  // (N, S), (B, N, S), (B|1, H, N, S), unbatched (H, N, S)
+    if (shape.size() >= 2) shape[shape.size() - 2] = c.N, shape[shape.size() - 1] = c.S;
+    // (B, N, S) is the batch's own; (B|1, H, N, S) may be 1 for any batch
+    if (shape.size() == 3 && !c.unbatched) shape[0] = c.B;
+    if (shape.size() == 4 && shape[0] == old_batch && old_batch != 1) shape[0] = c.B;
+  }
   return c;
 }
 
@@ -234,7 +251,8 @@ Reference reference_forward(const ModuleCase& c, const Parameters& p, const torc
   // softmax over the allowed keys; 0 for a row with none
   const auto lowest = torch::full({}, -1e300, scores.options());
   const auto kept = torch::where(allowed, scores, lowest);
-  const auto row_max = std::get<0>(kept.max(-1, true)).detach();
+  // (max() takes no dimension of size 0: with no key, the row's largest score is never used)
+  const auto row_max = kept.size(-1) > 0 ? std::get<0>(kept.max(-1, true)).detach() : torch::zeros_like(kept);
   const auto e = torch::exp(kept - row_max) * allowed.to(scores.scalar_type());
   const auto sum = e.sum(-1, true);
   auto weights = e / torch::where(sum > 0, sum, torch::ones_like(sum));
