@@ -123,10 +123,16 @@ void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, cons
     TORCH_CHECK(q.dim() == 4 && lengths.dim() == 1 && lengths.size(0) == q.size(0),
                 "scaled_dot_product_attention: expected key_lengths of shape (B,) for q (B, H, N, D), got key_lengths ",
                 lengths.sizes(), " and q ", q.sizes());
-    TORCH_CHECK(lengths.scalar_type() == torch::kLong, "scaled_dot_product_attention: expected int64 key_lengths, got ",
-                lengths.scalar_type());
+    TORCH_CHECK(!lengths.is_floating_point() && !lengths.is_complex() && lengths.scalar_type() != torch::kBool,
+                "scaled_dot_product_attention: expected integer key_lengths, got ", lengths.scalar_type());
     TORCH_CHECK(lengths.device() == q.device(), "scaled_dot_product_attention: expected key_lengths on ", q.device(),
                 ", got ", lengths.device());
+    // As SelfAttention's: a length past the keys or below 0 is a mistake, not a request to clamp.
+    if (lengths.numel() > 0) {
+      const auto shortest = lengths.min().item<int64_t>(), longest = lengths.max().item<int64_t>();
+      TORCH_CHECK(shortest >= 0 && longest <= k.size(-2), "scaled_dot_product_attention: expected key_lengths in [0, S] = [0, ",
+                  k.size(-2), "], got values from ", shortest, " to ", longest);
+    }
   }
   if (options.backend() == AttentionBackend::Tiled) {
     TORCH_CHECK(!options.need_weights(),
@@ -158,7 +164,7 @@ namespace {
 AttentionBackend auto_backend(const torch::Tensor& q, const torch::Tensor& k,
                               const ScaledDotProductAttentionOptions& options, bool needs_grad) {
   // Only the math path returns weights. Empty inputs go to it too: some fused kernels reject
-  // zero-sized launches, and there is nothing to compute.
+  // zero-sized launches, and there is nothing to compute (values of width 0: scaled_dot_product_attention).
   if (options.need_weights() || q.numel() == 0 || k.numel() == 0) return AttentionBackend::Math;
   if (kernels::tiled_supports(q) && kernels::tiled_fast_for(q)) {
     // One query row at inference (a decoded token) is three small products: the math path's few
@@ -194,10 +200,16 @@ AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
 }
 
 AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                             const ScaledDotProductAttentionOptions& options) {
-  check_attention_inputs(q, k, v, options);
-  const auto backend =
-      options.backend() != AttentionBackend::Auto ? options.backend() : auto_backend(q, k, options, needs_grad(q, k, v, options));
+                                             const ScaledDotProductAttentionOptions& given) {
+  check_attention_inputs(q, k, v, given);
+  // Key lengths of any integer dtype (int32 from a tokenizer, say) reach the backends as int64.
+  auto options = given;
+  if (options.key_lengths().defined() && options.key_lengths().scalar_type() != torch::kLong) {
+    options.key_lengths(options.key_lengths().to(torch::kLong));
+  }
+  const auto backend = options.backend() != AttentionBackend::Auto ? options.backend()
+                       : v.numel() == 0                          ? AttentionBackend::Math
+                                                                 : auto_backend(q, k, options, needs_grad(q, k, v, options));
   switch (backend) {
     case AttentionBackend::Fused:
       return kernels::fused_attention(q, k, v, options);

@@ -56,6 +56,31 @@ TEST(EdgeInputs, EmptyContextWithKeyMasksGivesTheUnmaskedResult) {
       module(x[0], empty[0], qkv::AttentionMask::from_key_mask(torch::ones({0}, torch::kBool))), unmasked[0], 0.0));
 }
 
+// The core's key_lengths as SelfAttention's: any integer dtype (int32 from a tokenizer) gives what
+// int64 gives, on every backend; a length below 0 or past S is refused naming the range (until
+// 2026-12-07 the core clamped such lengths silently and refused int32).
+TEST(EdgeInputs, KeyLengthsOfAnyIntegerDtypeAndOnlyWithinTheKeys) {
+  torch::manual_seed(5);
+  const auto q = torch::randn({2, 2, 4, 8}), k = torch::randn({2, 2, 6, 8}), v = torch::randn({2, 2, 6, 8});
+  for (const auto backend : {qkv::AttentionBackend::Auto, qkv::AttentionBackend::Math, qkv::AttentionBackend::Tiled}) {
+    auto options = qkv::ScaledDotProductAttentionOptions().backend(backend);
+    const auto want = qkv::scaled_dot_product_attention(q, k, v, options.key_lengths(torch::tensor({6, 2}))).output;
+    for (const auto dtype : {torch::kInt, torch::kShort, torch::kByte}) {
+      const auto got =
+          qkv::scaled_dot_product_attention(q, k, v, options.key_lengths(torch::tensor({6, 2}, dtype))).output;
+      EXPECT_TRUE(qkv_test::tensors_close(got, want, 0.0)) << dtype;
+    }
+    for (const auto& [lengths, range] : {std::pair{torch::tensor({7, 2}), "got values from 2 to 7"},
+                                         std::pair{torch::tensor({-1, 2}), "got values from -1 to 2"}}) {
+      EXPECT_THAT([&] { qkv::scaled_dot_product_attention(q, k, v, options.key_lengths(lengths)); },
+                  ::testing::ThrowsMessage<c10::Error>(
+                      HasSubstr(std::string("expected key_lengths in [0, S] = [0, 6], ") + range)));
+    }
+    EXPECT_THAT([&] { qkv::scaled_dot_product_attention(q, k, v, options.key_lengths(torch::tensor({6.0, 2.0}))); },
+                ::testing::ThrowsMessage<c10::Error>(HasSubstr("expected integer key_lengths, got Float")));
+  }
+}
+
 TEST(EdgeInputs, NonContiguousAndExpandedInputsGiveTheSameResults) {
   auto module = small_module();
   auto x = torch::randn({3, 5, 8});

@@ -45,8 +45,9 @@ struct ScaledDotProductAttentionOptions {
   /// Sliding-window attention (Mistral; FlashAttention's window_size = (W - 1, 0)): with `causal`,
   /// query i attends only to keys i - W + 1 ... i. Unset: full (causal) attention. Needs causal.
   TORCH_ARG(c10::optional<int64_t>, window) = c10::nullopt;
-  /// int64 (B,) for inputs (B, H, N, D): keys at positions >= key_lengths[b] are padding (as a
-  /// mask false there). Backends that know it skip those keys instead of masking them.
+  /// Integers (B,) in [0, S] for inputs (B, H, N, D), of any integer dtype: keys at positions >=
+  /// key_lengths[b] are padding (as a mask false there). Backends that know it skip those keys
+  /// instead of masking them.
   TORCH_ARG(torch::Tensor, key_lengths) = {};
   /// Multiplier of QKᵀ. Unset: 1/sqrt(d_k), d_k = q.size(-1). 1.0 gives the unscaled variant.
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;

@@ -72,6 +72,10 @@ torch::Tensor call_kernel(const torch::Tensor& q, const torch::Tensor& k, const 
 AttentionResult fused_attention(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                                 const ScaledDotProductAttentionOptions& options) {
 #if QKV_TORCH_HAS_SDPA
+  // Empty operands (no batch, query or key, values of width 0): nothing for a kernel to compute,
+  // and LibTorch's kernels give them no mask gradient (a learned bias beside values of width 0)
+  // or disagree (an empty batch with a bias): the math path, as Auto sends them.
+  if (q_in.numel() == 0 || k_in.numel() == 0 || v_in.numel() == 0) return math_attention(q_in, k_in, v_in, options);
   const auto q = dense(q_in), k = dense(k_in), v = dense(v_in);
   const int64_t num_queries = q.size(-2);
   const int64_t num_keys = k.size(-2);

@@ -363,6 +363,19 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
   TORCH_CHECK(k <= b.k() && n <= b.n(), "tiled kernel: a product of B's leading ", k, " x ", n, " of a packed ", b.k(),
               " x ", b.n());
   if (m == 0 || n == 0) return;
+  if (k == 0) {
+    // An empty sum (a head width of 0): C = beta · C, here for every instruction set, so that no
+    // micro-kernel loop sees a depth of 0 (the widening below divided by it: SIGFPE, 2026-12-07).
+    for (int64_t r = 0; r < m; ++r) {
+      float* row = c + r * ldc;
+      if (beta == 0.0f) {
+        std::fill(row, row + n, 0.0f);
+      } else {
+        for (int64_t j = 0; j < n; ++j) row[j] *= beta;
+      }
+    }
+    return;
+  }
   if (b.kind().bf16 && b.kind().isa == ProductIsa::AmxBf16) {
     amx::multiply(a, m, b, k, n, alpha, beta, c, ldc);
     return;
