@@ -130,8 +130,9 @@ void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, cons
     // As SelfAttention's: a length past the keys or below 0 is a mistake, not a request to clamp.
     if (lengths.numel() > 0) {
       const auto shortest = lengths.min().item<int64_t>(), longest = lengths.max().item<int64_t>();
-      TORCH_CHECK(shortest >= 0 && longest <= k.size(-2), "scaled_dot_product_attention: expected key_lengths in [0, S] = [0, ",
-                  k.size(-2), "], got values from ", shortest, " to ", longest);
+      TORCH_CHECK(shortest >= 0 && longest <= k.size(-2),
+                  "scaled_dot_product_attention: expected key_lengths in [0, S] = [0, ", k.size(-2),
+                  "], got values from ", shortest, " to ", longest);
     }
   }
   if (options.backend() == AttentionBackend::Tiled) {
@@ -207,9 +208,10 @@ AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch
   if (options.key_lengths().defined() && options.key_lengths().scalar_type() != torch::kLong) {
     options.key_lengths(options.key_lengths().to(torch::kLong));
   }
-  const auto backend = options.backend() != AttentionBackend::Auto ? options.backend()
-                       : v.numel() == 0                          ? AttentionBackend::Math
-                                                                 : auto_backend(q, k, options, needs_grad(q, k, v, options));
+  auto backend = options.backend();
+  if (backend == AttentionBackend::Auto) {
+    backend = v.numel() == 0 ? AttentionBackend::Math : auto_backend(q, k, options, needs_grad(q, k, v, options));
+  }
   switch (backend) {
     case AttentionBackend::Fused:
       return kernels::fused_attention(q, k, v, options);

@@ -44,7 +44,7 @@ struct Case {
   int64_t key_len = 0;   // core cases: keys and values S (cross-attention); unset: seq_len
   bool causal = false;
   int64_t window = 0;    // core cases: sliding window (causal); 0: none
-  std::string mask;      // "key_padding", "learned_bias" or "fixed_bias" (core_mask; module cases: module_mask); "": none
+  std::string mask;      // core_mask's or module_mask's names; "": none
   double dropout = 0.0;  // core cases: attention dropout while training
   int64_t warmup = 3;    // iterations before timing (1 for the very long cases)
   std::string autocast;  // module cases: "bfloat16" runs the float32 model under autocast (bf16-mixed)
@@ -242,7 +242,9 @@ std::function<void()> make_iteration(const Case& c, const torch::Device& device)
       torch::mse_loss(model->forward(x, {}, mask), target).backward();
     };
   }
-  if (!mask.empty()) throw std::invalid_argument("case " + c.name + ": masks are for core and module_forward(_backward) cases");
+  if (!mask.empty()) {
+    throw std::invalid_argument("case " + c.name + ": masks are for core and module_forward(_backward) cases");
+  }
   auto optimizer = std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
   const bool mixed = !c.autocast.empty();
   const auto autocast_dtype = mixed ? qkv_cli::dtype_from_name(c.autocast) : torch::kFloat;

@@ -142,7 +142,9 @@ AttentionCase draw_case(Chooser& chooser, int64_t max_positions, const std::func
                             MaskKind::FloatGrad,     MaskKind::FloatGradInf};
   c.mask = kinds[chooser.pick(std::size(kinds))];
   if (c.unbatched && c.mask == MaskKind::KeyLengths) c.mask = MaskKind::BoolKeys;  // key_lengths need a batch
-  if (const auto shapes = mask_shapes(c); !shapes.empty()) c.mask_shape_choice = chooser.pick(static_cast<int64_t>(shapes.size()));
+  if (const auto shapes = mask_shapes(c); !shapes.empty()) {
+    c.mask_shape_choice = chooser.pick(static_cast<int64_t>(shapes.size()));
+  }
   c.mask_shape = mask_shape_of(c);
   c.q_layout = draw_layout(chooser);
   c.k_layout = draw_layout(chooser);

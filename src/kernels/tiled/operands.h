@@ -18,9 +18,9 @@ namespace qkv::kernels::tiled {
 
 /// Whether the kernel can read `t` (B, H, rows, width) in place: unit stride along the width and
 /// rows at least a width apart (no overlap; BLAS's leading dimension), dimensions of size 1
-/// exempt, and an empty tensor (nothing is read). Views such as transpose(1, 2) (the module's head split) and slices of rows qualify;
-/// unfold (overlapping rows), expand along positions (stride 0) and transposes of the last two
-/// dimensions do not, and are copied once by kernel_operand.
+/// exempt, and an empty tensor (nothing is read). Views such as transpose(1, 2) (the module's head
+/// split) and slices of rows qualify; unfold (overlapping rows), expand along positions (stride 0)
+/// and transposes of the last two dimensions do not, and are copied once by kernel_operand.
 bool kernel_readable(const torch::Tensor& t);
 
 /// An empty (B, H, rows, width) result in the layout of `like` (B, H, rows, ·), the operand it
