@@ -65,17 +65,23 @@ def key_len(case):
     return s
 
 
+def padded_batch(batch, s, device):
+    """As qkv-bench's padded_batch, seen as (B, 1, 1, S): true for a real key, every other batch
+    row's last quarter of keys padded (the padded batches of a data loader)."""
+    lengths = torch.full((batch,), s, dtype=torch.long, device=device)
+    lengths[1::2] = s - s // 4
+    return (torch.arange(s, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(batch, 1, 1, s)
+
+
 def core_mask(case, device, dtype, backward):
     """A core case's mask, as qkv-bench's core_mask builds it (true = attend):
-    "key_padding": bool (B, 1, 1, S), every other batch row's last quarter of keys padded;
+    "key_padding": bool (B, 1, 1, S), padded_batch's;
     "learned_bias": float (1, H, N, S) added to the scores and trained (its gradient taken);
     "fixed_bias": the same, not trained (ALiBi's)."""
     batch, n, s = max(case["batch"], 1), case["seq_len"], key_len(case)
     kind = case.get("mask")
     if kind == "key_padding":
-        lengths = torch.full((batch,), s, dtype=torch.long, device=device)
-        lengths[1::2] = s - s // 4
-        return (torch.arange(s, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(batch, 1, 1, s)
+        return padded_batch(batch, s, device)
     if kind in ("learned_bias", "fixed_bias"):
         bias = 0.1 * torch.randn(1, case["heads"], n, s, device=device, dtype=dtype)
         return bias.requires_grad_(backward and kind == "learned_bias")
@@ -98,9 +104,7 @@ def module_mask(case, device, dtype, backward):
     padding = bias = None
     for part in case["mask"].split("+"):
         if part == "key_padding":
-            lengths = torch.full((batch,), n, dtype=torch.long, device=device)
-            lengths[1::2] = n - n // 4
-            padding = (torch.arange(n, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(batch, 1, 1, n)
+            padding = padded_batch(batch, n, device)
         elif part == "learned_bias":
             bias = (0.1 * torch.randn(1, case["heads"], n, n, device=device, dtype=dtype)).requires_grad_(backward)
         else:

@@ -6,6 +6,7 @@
 #include <qkv/functional.h>
 
 #include "kernels/kernels.h"
+#include "mask_algebra.h"
 #include "kernels/linear/onednn_gemm.h"
 #include "linear.h"
 #include "kernels/tiled/blocks.h"
@@ -128,12 +129,7 @@ void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, cons
     TORCH_CHECK(lengths.device() == q.device(), "scaled_dot_product_attention: expected key_lengths on ", q.device(),
                 ", got ", lengths.device());
     // As SelfAttention's: a length past the keys or below 0 is a mistake, not a request to clamp.
-    if (lengths.numel() > 0) {
-      const auto shortest = lengths.min().item<int64_t>(), longest = lengths.max().item<int64_t>();
-      TORCH_CHECK(shortest >= 0 && longest <= k.size(-2),
-                  "scaled_dot_product_attention: expected key_lengths in [0, S] = [0, ", k.size(-2),
-                  "], got values from ", shortest, " to ", longest);
-    }
+    detail::check_key_length_values(lengths, k.size(-2), "scaled_dot_product_attention");
   }
   if (options.backend() == AttentionBackend::Tiled) {
     TORCH_CHECK(!options.need_weights(),
@@ -162,11 +158,11 @@ namespace {
 // Auto's choice, from the tensors' metadata and whether a gradient will be asked of the call.
 // The table, in order (PyTorch's sdp_utils in miniature): each backend's contract is met by every
 // input that reaches it (the tiled kernel normalises layouts itself, src/kernels/tiled/operands.cpp).
-AttentionBackend auto_backend(const torch::Tensor& q, const torch::Tensor& k,
+AttentionBackend auto_backend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const ScaledDotProductAttentionOptions& options, bool needs_grad) {
-  // Only the math path returns weights. Empty inputs go to it too: some fused kernels reject
-  // zero-sized launches, and there is nothing to compute (values of width 0: scaled_dot_product_attention).
-  if (options.need_weights() || q.numel() == 0 || k.numel() == 0) return AttentionBackend::Math;
+  // Only the math path returns weights. Empty inputs go to it too (values of width 0 included):
+  // some fused kernels reject zero-sized launches, and there is nothing to compute.
+  if (options.need_weights() || q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return AttentionBackend::Math;
   if (kernels::tiled_supports(q) && kernels::tiled_fast_for(q)) {
     // One query row at inference (a decoded token) is three small products: the math path's few
     // operations cost a little less than setting up the kernel (docs/PERFORMANCE.md, "Decoding").
@@ -197,21 +193,22 @@ bool needs_grad(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
 AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
                                 const ScaledDotProductAttentionOptions& options) {
   if (options.backend() != AttentionBackend::Auto) return options.backend();
-  return auto_backend(q, k, options, needs_grad(q, k, k, options));
+  return auto_backend(q, k, k, options, needs_grad(q, k, k, options));
 }
 
 AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                              const ScaledDotProductAttentionOptions& given) {
   check_attention_inputs(q, k, v, given);
   // Key lengths of any integer dtype (int32 from a tokenizer, say) reach the backends as int64.
-  auto options = given;
-  if (options.key_lengths().defined() && options.key_lengths().scalar_type() != torch::kLong) {
-    options.key_lengths(options.key_lengths().to(torch::kLong));
+  const bool convert_lengths = given.key_lengths().defined() && given.key_lengths().scalar_type() != torch::kLong;
+  ScaledDotProductAttentionOptions converted;
+  if (convert_lengths) {
+    converted = ScaledDotProductAttentionOptions(given).key_lengths(given.key_lengths().to(torch::kLong));
   }
-  auto backend = options.backend();
-  if (backend == AttentionBackend::Auto) {
-    backend = v.numel() == 0 ? AttentionBackend::Math : auto_backend(q, k, options, needs_grad(q, k, v, options));
-  }
+  const auto& options = convert_lengths ? converted : given;
+  const auto backend = options.backend() != AttentionBackend::Auto
+                           ? options.backend()
+                           : auto_backend(q, k, v, options, needs_grad(q, k, v, options));
   switch (backend) {
     case AttentionBackend::Fused:
       return kernels::fused_attention(q, k, v, options);

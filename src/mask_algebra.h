@@ -26,6 +26,9 @@ struct MaskTarget {
   torch::Device device = torch::kCPU;
 };
 
+/// Checks that integer key lengths lie in [0, S] = [0, num_keys], naming `caller` and the values found.
+void check_key_length_values(const torch::Tensor& lengths, int64_t num_keys, const char* caller);
+
 /// Checks `mask.key_lengths` against `target` (shape, integer dtype, device, values in [0, S]) and
 /// returns them as int64 (B,).
 torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& target);

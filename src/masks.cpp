@@ -44,6 +44,14 @@ torch::Tensor restrict_mask(const torch::Tensor& mask, const torch::Tensor& allo
   return mask.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
 }
 
+void check_key_length_values(const torch::Tensor& lengths, int64_t num_keys, const char* caller) {
+  if (lengths.numel() == 0) return;
+  const auto [low, high] = torch::aminmax(lengths);  // one pass (and one wait, off the CPU) for both
+  const auto shortest = low.item<int64_t>(), longest = high.item<int64_t>();
+  TORCH_CHECK(shortest >= 0 && longest <= num_keys, caller, ": expected key_lengths in [0, S] = [0, ", num_keys,
+              "], got values from ", shortest, " to ", longest);
+}
+
 torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& target) {
   const bool batched = target.batched;
   const int64_t batch = target.batch, num_keys = target.num_keys;
@@ -56,12 +64,7 @@ torch::Tensor checked_key_lengths(const AttentionMask& mask, const MaskTarget& t
               "SelfAttention: expected integer key_lengths, got ", lengths.scalar_type());
   TORCH_CHECK(lengths.device() == device, "SelfAttention: expected key_lengths on ", device, ", got ",
               lengths.device());
-  if (lengths.numel() > 0) {
-    const auto shortest = lengths.min().item<int64_t>();
-    const auto longest = lengths.max().item<int64_t>();
-    TORCH_CHECK(shortest >= 0 && longest <= num_keys, "SelfAttention: expected key_lengths in [0, S] = [0, ", num_keys,
-                "], got values from ", shortest, " to ", longest);
-  }
+  check_key_length_values(lengths, num_keys, "SelfAttention");
   return lengths.reshape({batch}).to(torch::kLong);
 }
 

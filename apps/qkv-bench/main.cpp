@@ -142,19 +142,21 @@ std::function<void()> make_decoding(const Case& c, const torch::Device& device, 
   };
 }
 
+// A padded batch's key mask, bool (B, S), true = a real key: every other batch row has its last
+// quarter of keys padded (the padded batches of a data loader). Both kinds of case pad so.
+torch::Tensor padded_batch(int64_t batch, int64_t s, const torch::TensorOptions& options) {
+  auto lengths = torch::full({batch}, s, options.dtype(torch::kLong));
+  lengths.index_put_({torch::indexing::Slice(1, torch::indexing::None, 2)}, s - s / 4);
+  return qkv::key_mask_from_lengths(lengths, s);
+}
+
 // A core case's mask, as scripts/bench_pytorch.py builds it:
-// - "key_padding": bool (B, 1, 1, S), true = attend; every other batch row has its last quarter
-//   of keys padded (the padded batches of a data loader);
+// - "key_padding": bool (B, 1, 1, S), padded_batch's;
 // - "learned_bias": float (1, H, N, S) added to the scores and trained (its gradient taken), as a
 //   learned relative-position bias is; "fixed_bias": the same, not trained (ALiBi's).
 torch::Tensor core_mask(const Case& c, const torch::TensorOptions& options, bool backward) {
   const int64_t batch = std::max<int64_t>(c.batch, 1), n = c.seq_len, s = c.key_len;
-  if (c.mask == "key_padding") {
-    const auto positions = torch::arange(s, options.dtype(torch::kLong));
-    auto lengths = torch::full({batch}, s, options.dtype(torch::kLong));
-    lengths.index_put_({torch::indexing::Slice(1, torch::indexing::None, 2)}, s - s / 4);
-    return positions.unsqueeze(0).lt(lengths.unsqueeze(1)).view({batch, 1, 1, s});
-  }
+  if (c.mask == "key_padding") return padded_batch(batch, s, options).view({batch, 1, 1, s});
   if (c.mask == "learned_bias" || c.mask == "fixed_bias") {
     return (0.1 * torch::randn({1, c.heads, n, s}, options)).requires_grad_(backward && c.mask == "learned_bias");
   }
@@ -163,8 +165,7 @@ torch::Tensor core_mask(const Case& c, const torch::TensorOptions& options, bool
 }
 
 // A module case's masks, as scripts/bench_pytorch.py builds them: `c.mask` names one or both of
-// "key_padding" (key_mask (B, S), every other batch row's last quarter of keys padded: a padded
-// batch) and "learned_bias" (attn_mask (1, H, N, S), a per-head bias trained with the model, its
+// "key_padding" (key_mask (B, S), padded_batch's) and "learned_bias" (attn_mask (1, H, N, S), a per-head bias trained with the model, its
 // gradient taken in backward cases), joined by "+".
 qkv::AttentionMask module_mask(const Case& c, const torch::TensorOptions& options, bool backward) {
   qkv::AttentionMask mask;
@@ -174,9 +175,7 @@ qkv::AttentionMask module_mask(const Case& c, const torch::TensorOptions& option
   std::stringstream parts(c.mask);
   for (std::string part; std::getline(parts, part, '+');) {
     if (part == "key_padding") {
-      auto lengths = torch::full({c.batch}, n, options.dtype(torch::kLong));
-      lengths.index_put_({torch::indexing::Slice(1, torch::indexing::None, 2)}, n - n / 4);
-      mask.key_mask = qkv::key_mask_from_lengths(lengths, n);
+      mask.key_mask = padded_batch(c.batch, n, options);
     } else if (part == "learned_bias") {
       mask.attn_mask = (0.1 * torch::randn({1, c.heads, n, n}, options)).requires_grad_(backward);
     } else {

@@ -13,7 +13,8 @@
 namespace qkv::kernels {
 
 double resolved_scale(const ScaledDotProductAttentionOptions& options, int64_t head_width) {
-  return options.scale() ? *options.scale() : 1.0 / std::sqrt(static_cast<double>(head_width));
+  if (options.scale()) return *options.scale();
+  return head_width > 0 ? 1.0 / std::sqrt(static_cast<double>(head_width)) : 1.0;
 }
 
 int64_t query_groups(const torch::Tensor& q, const torch::Tensor& k) {

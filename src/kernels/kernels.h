@@ -26,7 +26,8 @@ AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, 
 AttentionResult tiled_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const ScaledDotProductAttentionOptions& options);
 
-/// The multiplier of QKᵀ: the option, else 1/sqrt(D).
+/// The multiplier of QKᵀ: the option, else 1/sqrt(D); 1 for D = 0, where every score is an empty
+/// dot product, 0 whatever the scale (1/√0 would make a kernel's 0 · ∞ NaN).
 double resolved_scale(const ScaledDotProductAttentionOptions& options, int64_t head_width);
 
 /// Query heads per key/value head: H / Hkv with enable_gqa, else 1.

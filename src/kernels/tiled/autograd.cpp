@@ -317,14 +317,10 @@ AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::T
   // Whether autograd will record this call (inside the Function's forward grad mode is off).
   const bool backward_follows = torch::GradMode::is_enabled() &&
                                 (q.requires_grad() || k.requires_grad() || v.requires_grad() || mask.requires_grad());
-  // With a head width of 0 every score is 0 (an empty dot product), whatever the scale, and the
-  // default scale 1/√0 is infinite: 0 · ∞ would make the scores NaN (the math path scales q, which
-  // is empty, and gets the zeros; the weights are then uniform over the keys a query sees).
-  const double scale = q.size(-1) == 0 ? 1.0 : resolved_scale(options, q.size(-1));
   AttentionResult result;
   result.output = compat::apply_autograd_function<tiled::TiledAttentionFunction>(
-      q, k, v, mask, key_lengths, scale, options.causal(), options.window().value_or(0), dropout,
-      static_cast<int64_t>(seed), backward_follows, grouped);
+      q, k, v, mask, key_lengths, resolved_scale(options, q.size(-1)), options.causal(), options.window().value_or(0),
+      dropout, static_cast<int64_t>(seed), backward_follows, grouped);
   result.backend = AttentionBackend::Tiled;
   return result;
 }

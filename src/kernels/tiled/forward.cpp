@@ -88,9 +88,10 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
     PackedHead<scalar_t> head;
     // A window's unaligned block, packed for one use (see below); kept here so that its storage is reused.
     RightOperand<scalar_t> narrow_keys, narrow_values;
+    const bool batch_inner = p.batch_inner();
     for (int64_t task = 0; tasks.next(task);) {
       const int64_t block = task % row_blocks, bh = task / row_blocks;
-      const int64_t h = p.batch_inner() ? bh / p.B : bh % p.H, b = p.batch_inner() ? bh % p.B : bh / p.H;
+      const int64_t h = batch_inner ? bh / p.B : bh % p.H, b = batch_inner ? bh % p.B : bh / p.H;
       const int64_t kv_head = h / p.groups();
       const int64_t i0 = block * kRowsPerBlock, rows = std::min(kRowsPerBlock, p.N - i0);
       const Strided<scalar_t> q_rows{q.rows(b, h, i0), q.stride_row, 1};
