@@ -165,8 +165,8 @@ torch::Tensor core_mask(const Case& c, const torch::TensorOptions& options, bool
 }
 
 // A module case's masks, as scripts/bench_pytorch.py builds them: `c.mask` names one or both of
-// "key_padding" (key_mask (B, S), padded_batch's) and "learned_bias" (attn_mask (1, H, N, S), a per-head bias trained with the model, its
-// gradient taken in backward cases), joined by "+".
+// "key_padding" (key_mask (B, S), padded_batch's) and "learned_bias" (attn_mask (1, H, N, S), a
+// per-head bias trained with the model, its gradient taken in backward cases), joined by "+".
 qkv::AttentionMask module_mask(const Case& c, const torch::TensorOptions& options, bool backward) {
   qkv::AttentionMask mask;
   if (c.mask.empty()) return mask;
