@@ -137,7 +137,7 @@ void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, cons
                 "weights; use AttentionBackend::Auto or Math with need_weights");
     TORCH_CHECK(kernels::tiled_supports(q),
                 "scaled_dot_product_attention: the tiled backend runs on the CPU in "
-                "float32, float64 or bfloat16, got ",
+                "float32, float64, bfloat16 or float16, got ",
                 q.scalar_type(), " on ", q.device());
   }
   if (options.backend() == AttentionBackend::Fused) {

@@ -49,6 +49,7 @@ std::string describe(const ProductKind& kind) {
 // What a value becomes on its way into the product: itself, or rounded to bfloat16.
 double as_multiplied(float x, bool bf16) { return bf16 ? static_cast<double>(c10::BFloat16(x)) : x; }
 double as_multiplied(c10::BFloat16 x, bool) { return static_cast<double>(x); }
+double as_multiplied(c10::Half x, bool) { return static_cast<double>(x); }  // float16 multiplies as float32
 
 template <typename T>
 T draw(std::mt19937& random) {
@@ -126,7 +127,9 @@ TEST(PackedProducts, MatchFloat64OnEveryRunnableInstructionSet) {
   std::mt19937 random(7);
   // n = 33, 48, 80, 100: a last panel of 16 columns or fewer after whole ones, packed narrow.
   // k = 0: an empty sum (a head width of 0), C = beta · C (the bfloat16 values' widening divided
-  // by k: SIGFPE on the portable, AVX2 and AVX-512 paths until 2026-12-07).
+  // by k: SIGFPE on the portable, AVX2 and AVX-512 paths until 2026-12-07). float16 operands
+  // (widened to float32, as the kernel takes them) on each float32 path, B transposed where the
+  // float32 one is not.
   const std::vector<int64_t> sizes_m = {1, 5, 8, 13, 64}, sizes_n = {1, 15, 16, 17, 33, 48, 64, 80, 100},
                              sizes_k = {0, 1, 2, 7, 32, 64, 257};
   for (const auto& kind : runnable_kinds()) {
@@ -139,6 +142,9 @@ TEST(PackedProducts, MatchFloat64OnEveryRunnableInstructionSet) {
           const float alpha = cases % 3 == 0 ? 0.125f : 1.0f, beta = cases % 2 == 0 ? 0.0f : 1.0f;
           check_product<float>(kind, m, n, k, a_transposed, b_transposed, alpha, beta, random);
           check_product<c10::BFloat16>(kind, m, n, k, !a_transposed, b_transposed, alpha, beta, random);
+          if (!kind.bf16) {  // float16 operands, widened: the float32 products only
+            check_product<c10::Half>(kind, m, n, k, a_transposed, !b_transposed, alpha, beta, random);
+          }
           ++cases;
         }
       }
@@ -297,6 +303,10 @@ TEST(PackedProducts, RefusesBf16ProductsWithoutAvx512Bf16) {
   PackedRight packed;
   const float values[4] = {1, 2, 3, 4};
   EXPECT_THROW(packed.pack(Strided<float>{values, 2, 1}, 2, 2, ProductKind{ProductIsa::Avx512, true}), c10::Error);
+  // float16 never multiplies in bfloat16 (it would lose 3 bits of each value), on any CPU.
+  const c10::Half halves[4] = {1, 2, 3, 4};
+  EXPECT_THROW(packed.pack(Strided<c10::Half>{halves, 2, 1}, 2, 2, ProductKind{ProductIsa::Avx512Bf16, true}),
+               c10::Error);
 }
 
 // The AMX tiles' own edges, on a CPU that has them: products of more than one tile of 16 pairs
@@ -658,6 +668,106 @@ TEST(RowOperations, RowDotsAndScaledRowWritesOfStridedBlocks) {
           const float expected = a[r * x_stride + i] * factor;
           EXPECT_EQ(out[r * out_stride + i], expected) << "row " << r << ", " << i;
           EXPECT_EQ(bits[r * out_stride + i], c10::BFloat16(expected).x) << "row " << r << ", " << i;
+        }
+      }
+    }
+  }
+}
+
+// float16 through the kernel's row operations (its blocks multiply as float32): widened exactly,
+// transposed while widened, dotted in float32, and written back rounded as c10::Half rounds,
+// bit for bit (nearest even, ties both ways, overflow to infinity, subnormals kept, -0), on the
+// instruction set this run has (ctest repeats RowOperations on the narrower ones). NaN: NaN.
+TEST(RowOperations, Float16WidensAndRoundsAsC10Half) {
+  std::mt19937 random(13);
+  const auto bits_of = [](float value) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    return bits;
+  };
+  // Every bit pattern of float16, widened (in runs of odd lengths, so that every tail is taken).
+  std::vector<c10::Half> all(65536);
+  for (uint32_t i = 0; i < 65536; ++i) all[i] = c10::Half(static_cast<uint16_t>(i), c10::Half::from_bits());
+  std::vector<float> widened(all.size(), -7.0f);
+  for (int64_t first = 0, length = 1; first < 65536; first += length, length = length % 37 + 1) {
+    qkv::kernels::widen(all.data() + first, std::min<int64_t>(length, 65536 - first), widened.data() + first);
+  }
+  for (uint32_t i = 0; i < 65536; ++i) {
+    const float expected = static_cast<float>(all[i]);
+    if (std::isnan(expected)) {
+      ASSERT_TRUE(std::isnan(widened[i])) << "bits " << i;
+    } else {
+      ASSERT_EQ(bits_of(widened[i]), bits_of(expected)) << "bits " << i;
+    }
+  }
+  for (int64_t rows : {1, 8, 15, 16, 17, 33}) {
+    for (int64_t cols : {1, 7, 8, 9, 16, 40}) {
+      SCOPED_TRACE("rows " + std::to_string(rows) + ", cols " + std::to_string(cols));
+      const int64_t x_stride = cols + 3;
+      std::vector<c10::Half> x(rows * x_stride);
+      for (auto& value : x) value = all[random() % 65536];
+      std::vector<float> out(cols * (rows + 3), -7.0f);
+      qkv::kernels::transpose(x.data(), x_stride, rows, cols, out.data(), rows + 3);
+      for (int64_t c = 0; c < cols; ++c) {
+        for (int64_t r = 0; r < rows + 3; ++r) {
+          const float got = out[c * (rows + 3) + r];
+          const float expected = r < rows ? static_cast<float>(x[r * x_stride + c]) : -7.0f;
+          if (std::isnan(expected)) {
+            ASSERT_TRUE(std::isnan(got)) << "column " << c << ", row " << r;
+          } else {
+            ASSERT_EQ(bits_of(got), bits_of(expected)) << "column " << c << ", row " << r;
+          }
+        }
+      }
+    }
+  }
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 33, 100}) {
+    SCOPED_TRACE("n = " + std::to_string(n));
+    const int64_t rows = 5, stride = n + 3;
+    std::vector<c10::Half> a(rows * stride), b(rows * stride);
+    for (auto& value : a) value = c10::Half(normal(random));
+    for (auto& value : b) value = c10::Half(normal(random));
+    std::vector<float> dots(rows);
+    qkv::kernels::row_dots(a.data(), stride, b.data(), stride, rows, n, dots.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      double exact = 0, magnitude = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double term = double(float(a[r * stride + i])) * double(float(b[r * stride + i]));
+        exact += term, magnitude += std::abs(term);
+      }
+      EXPECT_NEAR(dots[r], exact, (double(n) + 2) * std::ldexp(1.0, -23) * magnitude + 1e-30) << "row " << r;
+      EXPECT_EQ(dots[r], qkv::kernels::dot(a.data() + r * stride, b.data() + r * stride, n)) << "row " << r;
+    }
+    // Values to write: random ones and specials (NaN, ±inf, beyond float16's range, float16
+    // subnormals and below them, -0, ties between two float16 values both ways).
+    std::vector<float> x(rows * stride);
+    for (auto& value : x) value = normal(random);
+    const float specials[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity(), 70000.0f, 65519.0f, 65520.0f, 1e-5f, 3e-8f,
+                              2.9e-8f, -0.0f, 1.00048828125f, 1.00146484375f, -2.0009765625f};
+    for (size_t i = 0; i < std::size(specials) && n > 0; ++i) x[(i * 7) % (rows * stride)] = specials[i];
+    std::vector<float> factors(rows);
+    for (auto& factor : factors) factor = normal(random);
+    for (const bool own_factors : {true, false}) {
+      const qkv::kernels::RowFactors row_factors{own_factors ? factors.data() : nullptr, 1.0f};
+      const c10::Half untouched(12.5f);
+      std::vector<c10::Half> written(rows * stride, untouched);
+      qkv::kernels::scale_rows_into(x.data(), stride, rows, n, row_factors, written.data(), stride);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t i = 0; i < stride; ++i) {
+          const c10::Half got = written[r * stride + i];
+          if (i >= n) {
+            EXPECT_EQ(got.x, untouched.x) << "row " << r << ", gap " << i;
+            continue;
+          }
+          const float expected = x[r * stride + i] * (own_factors ? factors[r] : 1.0f);
+          if (std::isnan(expected)) {
+            EXPECT_TRUE(std::isnan(static_cast<float>(got))) << "row " << r << ", " << i;
+          } else {
+            EXPECT_EQ(got.x, c10::Half(expected).x) << "rounded differently from c10::Half: row " << r << ", " << i
+                                                    << " (" << expected << ")";
+          }
         }
       }
     }

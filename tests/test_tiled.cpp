@@ -197,7 +197,7 @@ TEST(Tiled, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
 // (Its exponential also used to run into undefined behaviour, which UBSan reported.)
 TEST(Tiled, NaNInputsGiveNaNWhereTheMathPathGivesNaN) {
   torch::manual_seed(4);
-  for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
+  for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16, torch::kHalf}) {
     auto q = torch::randn({2, 2, 40, 16}, dtype), k = torch::randn({2, 2, 300, 16}, dtype);
     const auto v = torch::randn({2, 2, 300, 16}, dtype);
     q[0][1][7][3] = std::numeric_limits<double>::quiet_NaN();
@@ -301,7 +301,8 @@ TEST(Tiled, BackwardSplitOverKeysMatchesTheMathPath) {
         Variant{"bfloat16 causal", true, c10::nullopt, 1, 1, false, false, torch::kBFloat16},
         Variant{"3 heads (split in two on 2 threads), causal, learned mask", true, c10::nullopt, 3, 3, true, false,
                 torch::kDouble},
-        Variant{"3 heads, bfloat16", false, c10::nullopt, 3, 3, false, false, torch::kBFloat16}}) {
+        Variant{"3 heads, bfloat16", false, c10::nullopt, 3, 3, false, false, torch::kBFloat16},
+        Variant{"3 heads, float16, causal, learned mask", true, c10::nullopt, 3, 3, true, false, torch::kHalf}}) {
     SCOPED_TRACE(variant.name);
     auto options = qkv::ScaledDotProductAttentionOptions().causal(variant.causal).window(variant.window).enable_gqa(
         variant.H > variant.Hkv);
@@ -768,8 +769,9 @@ TEST(TiledDropout, NoTwoRowsShareAMask) {
 TEST(TiledDropout, EqualsTheMathPathGivenTheKernelsMask) {
   // Causal, and causal within a sliding window of 9 keys (whose blocks start off the block grid);
   // float64, and bfloat16 (on AVX512_BF16 CPUs its products multiply bfloat16 pairs: the kept
-  // probabilities and dS rounded to bfloat16) against float64 of the same bfloat16 inputs.
-  for (const auto dtype : {torch::kDouble, torch::kBFloat16}) {
+  // probabilities and dS rounded to bfloat16) and float16 (widened to float32) against float64 of
+  // the same half-precision inputs.
+  for (const auto dtype : {torch::kDouble, torch::kBFloat16, torch::kHalf}) {
     for (const auto window : {c10::optional<int64_t>(), c10::optional<int64_t>(9)}) {
       torch::manual_seed(10);
       const int64_t B = 2, H = 4, Hkv = 2, N = 70, S = 130, D = 8;
@@ -848,7 +850,7 @@ TEST(Tiled, ResultsDoNotDependOnWhichThreadRanATask) {
   const auto v = torch::randn({B, Hkv, S, D}, torch::kDouble), upstream = torch::randn({B, H, N, D}, torch::kDouble);
   const auto bias = torch::randn({H, N, S}, torch::kDouble);
   const auto options = qkv::ScaledDotProductAttentionOptions().causal(true).enable_gqa(true);
-  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
     SCOPED_TRACE(c10::toString(dtype));
     const auto [first, first_bias_grad] =
         run_with_learned_mask(q, k, v, upstream, options, bias.to(torch::kFloat), AttentionBackend::Tiled, dtype);
@@ -966,11 +968,13 @@ TEST(Tiled, RefusesWhatItCannotDo) {
       ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("tiled backend cannot return the attention weights")));
   EXPECT_THAT(
       [&] {
-        const auto ints = torch::ones({1, 1, 4, 8}, torch::kHalf);
-        qkv::scaled_dot_product_attention(ints, ints, ints,
+        // Off the CPU (the meta device: shapes without storage, on any build).
+        const auto elsewhere = torch::empty({1, 1, 4, 8}, torch::device(torch::kMeta));
+        qkv::scaled_dot_product_attention(elsewhere, elsewhere, elsewhere,
                                           qkv::ScaledDotProductAttentionOptions().backend(AttentionBackend::Tiled));
       },
-      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("float32, float64 or bfloat16, got Half")));
+      ::testing::ThrowsMessage<c10::Error>(
+          ::testing::HasSubstr("runs on the CPU in float32, float64, bfloat16 or float16, got Float on meta")));
 }
 
 }  // namespace

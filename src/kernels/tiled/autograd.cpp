@@ -1,8 +1,8 @@
 // The tiled backend as LibTorch's autograd sees it: one autograd::Function whose forward and
 // backward run the kernel's two passes (forward.cpp, backward.cpp) on operands normalised at the
-// kernel's one entry (operands.cpp), dispatched over float32, float64 and bfloat16. It takes q, k, v
-// as the caller has them and returns the output and their gradients in the caller's shapes: the
-// reshaping to 4-D happens inside, where it records no autograd node.
+// kernel's one entry (operands.cpp), dispatched over float32, float64, bfloat16 and float16. It
+// takes q, k, v as the caller has them and returns the output and their gradients in the caller's
+// shapes: the reshaping to 4-D happens inside, where it records no autograd node.
 //
 // Gradients: q, k, v always; an additive mask's when it requires grad (the kernel writes dS,
 // which is that gradient before broadcasting); second order (create_graph) by recomputing the
@@ -91,7 +91,7 @@ ForwardResult run_forward(const Operands& o, const Settings& settings, bool back
   const auto& q = o.q;
   ForwardResult result;
   result.output = output;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "qkv_tiled_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "qkv_tiled_forward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = problem_of<acc_t>(o, settings);
     const auto accumulation = q.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
@@ -123,7 +123,7 @@ Gradients run_backward(const Operands& o, const ForwardResult& forward, const to
     if (want_mask_gradient) grads.mask = torch::zeros_like(o.mask);
     return grads;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "qkv_tiled_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "qkv_tiled_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = problem_of<acc_t>(o, settings);
     grads.q = empty_in_layout_of(o.q, p.D, q.options());
@@ -297,8 +297,9 @@ class TiledAttentionFunction : public torch::autograd::Function<TiledAttentionFu
 }  // namespace tiled
 
 bool tiled_supports(const torch::Tensor& q) {
-  return q.device().is_cpu() &&
-         (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble || q.scalar_type() == torch::kBFloat16);
+  const auto dtype = q.scalar_type();
+  return q.device().is_cpu() && (dtype == torch::kFloat || dtype == torch::kDouble || dtype == torch::kBFloat16 ||
+                                 dtype == torch::kHalf);
 }
 
 bool tiled_uses_blas() { return tiled::gemm_uses_blas(); }
@@ -308,8 +309,8 @@ bool tiled_fast_for(const torch::Tensor& q) { return q.scalar_type() != torch::k
 AttentionResult tiled_attention_with_seed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                           const ScaledDotProductAttentionOptions& options, uint64_t seed) {
   TORCH_CHECK(tiled_supports(q),
-              "scaled_dot_product_attention: the tiled backend runs on the CPU in float32, float64 "
-              "or bfloat16, got ",
+              "scaled_dot_product_attention: the tiled backend runs on the CPU in float32, float64, "
+              "bfloat16 or float16, got ",
               q.scalar_type(), " on ", q.device());
   const bool grouped = tiled::grouped_heads(q, k, options);
   const auto [mask, key_lengths] = tiled::kernel_conditions(q, k, options, grouped);

@@ -466,6 +466,7 @@ void backward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const 
 QKV_INSTANTIATE_BACKWARD(float, float)
 QKV_INSTANTIATE_BACKWARD(double, double)
 QKV_INSTANTIATE_BACKWARD(c10::BFloat16, float)
+QKV_INSTANTIATE_BACKWARD(c10::Half, float)
 #undef QKV_INSTANTIATE_BACKWARD
 
 }  // namespace qkv::kernels::tiled

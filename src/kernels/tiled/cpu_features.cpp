@@ -19,8 +19,8 @@ namespace qkv::kernels::tiled {
 namespace {
 
 struct Flags {
-  bool avx2 = false, fma = false, avx512f = false, avx512dq = false, avx512bw = false, avx512vl = false,
-       avx512_bf16 = false, amx_bf16 = false, amx_tile = false;
+  bool avx2 = false, fma = false, f16c = false, avx512f = false, avx512dq = false, avx512bw = false,
+       avx512vl = false, avx512_bf16 = false, amx_bf16 = false, amx_tile = false;
 };
 
 #if defined(QKV_X86)
@@ -40,6 +40,7 @@ Flags read_flags() {
   if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return f;
   const bool osxsave = (ecx >> 27) & 1;
   const bool fma = (ecx >> 12) & 1;
+  const bool f16c = (ecx >> 29) & 1;
   if (!osxsave) return f;
   const uint64_t xcr0 = os_saved_state();
   const bool ymm_saved = (xcr0 & 0x6) == 0x6;     // SSE and AVX state
@@ -48,6 +49,7 @@ Flags read_flags() {
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return f;
   f.avx2 = ymm_saved && ((ebx >> 5) & 1);
   f.fma = ymm_saved && fma;
+  f.f16c = ymm_saved && f16c;
   f.avx512f = zmm_saved && ((ebx >> 16) & 1);
   f.avx512dq = zmm_saved && ((ebx >> 17) & 1);
   f.avx512bw = zmm_saved && ((ebx >> 30) & 1);
@@ -79,7 +81,9 @@ ProductIsa parse_isa(std::string_view name) {
 
 ProductIsa detected_isa() {
   const Flags& f = flags();
-  if (!(f.avx2 && f.fma)) return ProductIsa::Portable;
+  // F16C converts float16 blocks to and from float32 (vector_math.cpp); every CPU with AVX2 and
+  // FMA has it, and one without it is given the portable paths.
+  if (!(f.avx2 && f.fma && f.f16c)) return ProductIsa::Portable;
   if (!(f.avx512f && f.avx512bw && f.avx512vl)) return ProductIsa::Avx2;
   // The bfloat16 paths' exponential takes AVX512DQ's vreduceps (vector_math.cpp): every CPU with
   // AVX512_BF16 has it, and one without it is given the float32 paths.
@@ -152,6 +156,7 @@ std::string cpu_flags() {
   };
   add(f.avx2, "avx2");
   add(f.fma, "fma");
+  add(f.f16c, "f16c");
   add(f.avx512f, "avx512f");
   add(f.avx512dq, "avx512dq");
   add(f.avx512bw, "avx512bw");

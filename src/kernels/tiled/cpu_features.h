@@ -10,7 +10,7 @@ namespace qkv::kernels::tiled {
 /// The block products' instruction sets, each a superset of the one before.
 enum class ProductIsa {
   Portable,    // plain C++ (the compiler's baseline vectors): every x86-64 and every other CPU
-  Avx2,        // AVX2 + FMA, 8 floats a register
+  Avx2,        // AVX2 + FMA (and F16C), 8 floats a register
   Avx512,      // AVX-512 F/BW/VL, 16 floats a register
   Avx512Bf16,  // and AVX512_BF16's vdpbf16ps: bfloat16 pairs multiplied, summed in float32
   AmxBf16,     // and AMX-BF16's tiles (TDPBF16PS) for the bfloat16 products, where the kernel grants them
@@ -60,7 +60,7 @@ bool libtorch_bfloat16_on_own_loops();
 const char* isa_name(ProductIsa isa);
 
 /// The CPU's flags that matter to the kernel, as /proc/cpuinfo names them, space-separated
-/// (e.g. "avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16").
+/// (e.g. "avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16").
 std::string cpu_flags();
 
 }  // namespace qkv::kernels::tiled

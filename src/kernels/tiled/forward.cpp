@@ -4,8 +4,8 @@
 // each row's m and log l for the backward (apart, not as L = m + log l: kernel.h). Tasks (row
 // blocks of a head) go to LibTorch's threads as they become free (task_queue.h), each thread with
 // its own scratch. The block products run on qkv's micro-kernels (packed_products.h); bfloat16
-// blocks multiply in bfloat16 where the CPU has AVX512_BF16, else as float32, and accumulate in
-// float32.
+// blocks multiply in bfloat16 where the CPU has AVX512_BF16, else as float32, float16 blocks always
+// as float32 (widened exactly), and all accumulate in float32.
 //
 // B = batch, H = query heads, N = query rows, S = keys, D = head width, Dv = value width.
 #include "kernels/tiled/aligned_buffer.h"
@@ -16,6 +16,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <limits>
@@ -226,5 +227,8 @@ template void forward_blocks<double, double>(const Problem<double>&, const Matri
 template void forward_blocks<c10::BFloat16, float>(const Problem<float>&, const Matrix4<c10::BFloat16>&,
                                                    const Matrix4<c10::BFloat16>&, const Matrix4<c10::BFloat16>&,
                                                    const OutputMatrix4<c10::BFloat16>&, float*, float*);
+template void forward_blocks<c10::Half, float>(const Problem<float>&, const Matrix4<c10::Half>&,
+                                               const Matrix4<c10::Half>&, const Matrix4<c10::Half>&,
+                                               const OutputMatrix4<c10::Half>&, float*, float*);
 
 }  // namespace qkv::kernels::tiled

@@ -187,7 +187,7 @@ T* statistics_of_row(T* row_statistics, const Problem<acc_t>& p, int64_t b, int6
 
 /// Forward: out (B, H, N, Dv) and the rows' statistics (kRowStatistics); where `probabilities` is
 /// not null (keeps_probabilities), also P (B, H, N, S) contiguous, before dropout, 0 for masked
-/// pairs. Instantiated for (float, float), (double, double), (BFloat16, float).
+/// pairs. Instantiated for (float, float), (double, double), (BFloat16, float), (Half, float).
 template <typename scalar_t, typename acc_t>
 void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
                     const Matrix4<scalar_t>& v, const OutputMatrix4<scalar_t>& out, acc_t* row_statistics,

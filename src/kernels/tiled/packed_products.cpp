@@ -38,14 +38,19 @@ int64_t columns_per_panel(ProductKind kind, int64_t n) {
 
 inline float as_float(float x) { return x; }
 inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float as_float(c10::Half x) { return static_cast<float>(x); }
+// What vector_math's functions take: float32 and float16 as they are, bfloat16 as raw bits.
 inline const float* bits_of(const float* x) { return x; }
 inline const uint16_t* bits_of(const c10::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); }
+inline const c10::Half* bits_of(const c10::Half* x) { return x; }
 
-// out[j] <- x[j] for j < n: float32 copied, bfloat16 widened (by the linear layers' vector loop).
+// out[j] <- x[j] for j < n: float32 copied, bfloat16 widened (by the linear layers' vector loop),
+// float16 widened (vcvtph2ps).
 inline void copy_as_float(const float* x, int64_t n, float* out) {
   std::memcpy(out, x, sizeof(float) * static_cast<size_t>(n));
 }
 inline void copy_as_float(const c10::BFloat16* x, int64_t n, float* out) { linear::widen_values(bits_of(x), out, n); }
+inline void copy_as_float(const c10::Half* x, int64_t n, float* out) { widen(x, n, out); }
 inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }  // rounds to nearest even
 inline uint16_t bf16_bits(c10::BFloat16 x) { return x.x; }
 
@@ -376,11 +381,13 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
     }
     return;
   }
-  if (b.kind().bf16 && b.kind().isa == ProductIsa::AmxBf16) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    TORCH_CHECK(!b.kind().bf16, "tiled kernel: a float16 left operand for a bfloat16 product (float16 blocks ",
+                "multiply as float32)");
+  } else if (b.kind().bf16 && b.kind().isa == ProductIsa::AmxBf16) {
     amx::multiply(a, m, b, k, n, alpha, beta, c, ldc);
     return;
-  }
-  if (b.kind().bf16) {
+  } else if (b.kind().bf16) {
 #if defined(QKV_X86_64)
     thread_local AlignedVector<uint16_t> scratch;
     // Pairs of B's rows: an odd k uses one more row of B, which A's zero after its k-th value cancels.
@@ -399,7 +406,7 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
   }
   if constexpr (std::is_same_v<T, float>) {
     multiply_float(a.data, a.row_stride, a.col_stride, m, b, k, n, alpha, beta, c, ldc);
-  } else {  // bfloat16 values on a float32 path: each row widened once, into scratch the thread
+  } else {  // bfloat16 or float16 values on a float32 path: each row widened once, into scratch the thread
     // keeps, so at most kWidenedFloatsKept at a time (the linear layers' row blocks pass it for a
     // long k; the attention's blocks never do)
     const int64_t rows_per_pass = std::clamp<int64_t>(kWidenedFloatsKept / k, 1, m);
@@ -408,7 +415,7 @@ void multiply_any(Strided<T> a, int64_t m, const PackedRight& b, float alpha, fl
     for (int64_t first = 0; first < m; first += rows_per_pass) {
       const int64_t rows = std::min(rows_per_pass, m - first);
       for (int64_t r = 0; r < rows; ++r) {
-        const c10::BFloat16* row = a.data + (first + r) * a.row_stride;
+        const T* row = a.data + (first + r) * a.row_stride;
         if (a.col_stride == 1) {
           copy_as_float(row, k, scratch.data() + r * k);
         } else {
@@ -426,6 +433,8 @@ template <typename T>
 void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind) {
   TORCH_CHECK(!kind.bf16 || at_least(kind.isa, ProductIsa::Avx512Bf16),
               "tiled kernel: bfloat16 products need AVX512_BF16 or AMX-BF16, asked of ", isa_name(kind.isa));
+  TORCH_CHECK(!(kind.bf16 && std::is_same_v<T, c10::Half>),
+              "tiled kernel: float16 blocks multiply as float32, not in bfloat16");
   TORCH_CHECK(at_least(detected_isa(), kind.isa), "tiled kernel: ", isa_name(kind.isa),
               " products asked of a CPU with ", isa_name(detected_isa()));
   kind_ = kind, k_ = k, n_ = n;
@@ -526,6 +535,7 @@ PairPanels PackedRight::bf16_panels_to_fill(int64_t k, int64_t n, ProductKind ki
 
 void PackedRight::pack(Strided<float> b, int64_t k, int64_t n, ProductKind kind) { pack_any(b, k, n, kind); }
 void PackedRight::pack(Strided<c10::BFloat16> b, int64_t k, int64_t n, ProductKind kind) { pack_any(b, k, n, kind); }
+void PackedRight::pack(Strided<c10::Half> b, int64_t k, int64_t n, ProductKind kind) { pack_any(b, k, n, kind); }
 
 void multiply(Strided<float> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc,
               Leading part) {
@@ -534,6 +544,11 @@ void multiply(Strided<float> a, int64_t m, const PackedRight& b, float alpha, fl
 
 void multiply(Strided<c10::BFloat16> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c,
               int64_t ldc, Leading part) {
+  multiply_any(a, m, b, alpha, beta, c, ldc, part);
+}
+
+void multiply(Strided<c10::Half> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc,
+              Leading part) {
   multiply_any(a, m, b, alpha, beta, c, ldc, part);
 }
 

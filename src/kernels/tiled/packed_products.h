@@ -15,6 +15,7 @@
 #include "kernels/tiled/vector_math.h"
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <vector>
@@ -48,9 +49,11 @@ struct ProductKind {
 /// its offset). Its storage is kept between packs, so a reused one allocates once.
 class PackedRight {
  public:
-  /// Packs b (k × n); bfloat16 products round float32 values to bfloat16 (nearest even).
+  /// Packs b (k × n); bfloat16 products round float32 values to bfloat16 (nearest even). float16
+  /// values are widened to float32: they multiply on the float32 products only.
   void pack(Strided<float> b, int64_t k, int64_t n, ProductKind kind);
   void pack(Strided<c10::BFloat16> b, int64_t k, int64_t n, ProductKind kind);
+  void pack(Strided<c10::Half> b, int64_t k, int64_t n, ProductKind kind);
   /// Lays this operand out as a bfloat16 B (k × n) for `kind`'s bfloat16 products and hands its
   /// panels to the caller to fill, whole: every pair up to pair_depth() of every column up to a
   /// multiple of panel_width(), zeros past k and n (softmax_backward_block writes them so).
@@ -96,5 +99,8 @@ void multiply(Strided<float> a, int64_t m, const PackedRight& b, float alpha, fl
               Leading part = {});
 void multiply(Strided<c10::BFloat16> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c,
               int64_t ldc, Leading part = {});
+/// float16 rows of A, widened to float32 (b packed for float32 products).
+void multiply(Strided<c10::Half> a, int64_t m, const PackedRight& b, float alpha, float beta, float* c, int64_t ldc,
+              Leading part = {});
 
 }  // namespace qkv::kernels::tiled

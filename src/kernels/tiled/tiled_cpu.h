@@ -8,12 +8,12 @@
 
 namespace qkv::kernels {
 
-/// Whether the tiled backend can take q: a CPU tensor of float32, float64 or bfloat16.
+/// Whether the tiled backend can take q: a CPU tensor of float32, float64, bfloat16 or float16.
 bool tiled_supports(const torch::Tensor& q);
 /// Whether the float64 block products go through a CBLAS found at build time (else plain loops).
 bool tiled_uses_blas();
-/// Whether q's dtype runs on fast block products: float32 and bfloat16 always (qkv's packed
-/// micro-kernels), float64 where tiled_uses_blas().
+/// Whether q's dtype runs on fast block products: float32, bfloat16 and float16 always (qkv's
+/// packed micro-kernels), float64 where tiled_uses_blas().
 bool tiled_fast_for(const torch::Tensor& q);
 
 /// The tiled backend with a given dropout seed (tiled_attention draws it from LibTorch's CPU generator).

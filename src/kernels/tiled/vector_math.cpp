@@ -66,6 +66,7 @@ bool bf16_vectors() { return tiled::at_least(tiled::active_isa(), tiled::Product
 // A value as float32: float32 as it is, bfloat16 (raw bits) widened exactly.
 inline float widened(float value) { return value; }
 inline float widened(uint16_t bits) { return bfloat16_bits_to_float(bits); }
+inline float widened(c10::Half value) { return static_cast<float>(value); }
 
 #if defined(__x86_64__)
 // The lanes of a 16-float vector that hold one of the `left` values still to do.
@@ -78,6 +79,19 @@ __attribute__((target("avx512f"))) inline __mmask16 tail_lanes(int64_t left) {
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 widen_bf16(const uint16_t* x, __mmask16 lanes) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x)), 16));
 }
+
+// 16 float16 values widened to float32 (0 in the lanes not asked for), exactly: vcvtph2ps.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 widen_half(const c10::Half* x, __mmask16 lanes) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, x));
+}
+
+// 8 float16 values widened to float32 (F16C, which the AVX2 paths require: cpu_features.cpp).
+__attribute__((target("avx2,fma,f16c"))) inline __m256 widen8_half(const c10::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
+// float32 to float16, nearest even (vcvtps2ph with its rounding given, not MXCSR's).
+constexpr int kHalfRounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 // kExpPolynomial's exponential written for AVX-512: vscalefps multiplies by 2^k (the compiler's
 // version of the bit assembly and the NaN blends cost a fifth of the bf16 backward), and a NaN
@@ -622,6 +636,9 @@ QKV_TARGET_BF16 inline __m512i load16_as_float(const float* x, __mmask16 lanes) 
 QKV_TARGET_BF16 inline __m512i load16_as_float(const uint16_t* x, __mmask16 lanes) {
   return _mm512_castps_si512(widen_bf16(x, lanes));
 }
+QKV_TARGET_BF16 inline __m512i load16_as_float(const c10::Half* x, __mmask16 lanes) {
+  return _mm512_castps_si512(widen_half(x, lanes));
+}
 
 template <typename T>
 QKV_TARGET_BF16 void transpose_avx512(const T* x, int64_t x_stride, int64_t rows, int64_t cols, float* out,
@@ -645,10 +662,11 @@ QKV_TARGET_BF16 void transpose_avx512(const T* x, int64_t x_stride, int64_t rows
 // 8 values of a row as float32 (bfloat16 ones widened).
 __attribute__((target("avx2,fma"))) inline __m256 load8_as_float(const float* x) { return _mm256_loadu_ps(x); }
 __attribute__((target("avx2,fma"))) inline __m256 load8_as_float(const uint16_t* x) { return widen8_bfloat16(x); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8_as_float(const c10::Half* x) { return widen8_half(x); }
 
 // transpose in 8 × 8 squares of AVX2 registers; the squares cut by the edges value by value.
 template <typename T>
-__attribute__((target("avx2,fma"))) void transpose_avx2(const T* x, int64_t x_stride, int64_t rows, int64_t cols,
+__attribute__((target("avx2,fma,f16c"))) void transpose_avx2(const T* x, int64_t x_stride, int64_t rows, int64_t cols,
                                                         float* out, int64_t out_stride) {
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     for (int64_t c0 = 0; c0 < cols; c0 += 8) {
@@ -791,6 +809,10 @@ void transpose(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols, 
   transpose_any(x, x_stride, rows, cols, out, out_stride);
 }
 
+void transpose(const c10::Half* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride) {
+  transpose_any(x, x_stride, rows, cols, out, out_stride);
+}
+
 namespace {
 
 
@@ -812,6 +834,33 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) float dot_bf16_avx512(const
     sum = _mm512_fmadd_ps(widen_bf16(a + i, lanes), widen_bf16(b + i, lanes), sum);
   }
   return _mm512_reduce_add_ps(sum);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) float dot_half_avx512(const c10::Half* a, const c10::Half* b,
+                                                                           int64_t n) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = tail_lanes(n - i);
+    sum = _mm512_fmadd_ps(widen_half(a + i, lanes), widen_half(b + i, lanes), sum);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_into_half_avx512(const float* x, int64_t n,
+                                                                                 float factor, c10::Half* out) {
+  const __m512 factor_v = _mm512_set1_ps(factor);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = tail_lanes(n - i);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + i), factor_v);
+    _mm256_mask_storeu_epi16(out + i, lanes, _mm512_cvtps_ph(v, kHalfRounding));
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void widen_avx512(const c10::Half* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = tail_lanes(n - i);
+    _mm512_mask_storeu_ps(out + i, lanes, widen_half(x + i, lanes));
+  }
 }
 
 // bf16_bits on 16 lanes with integer operations (no AVX512_BF16, whose conversion also flushes
@@ -837,9 +886,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_into_bf16_avx512
 // partial sums, the 16 lanes of the other versions.
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* x) { return widen8_bfloat16(x); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const c10::Half* x) { return widen8_half(x); }
 
 template <typename T>
-__attribute__((target("avx2,fma"))) float dot_avx2(const T* a, const T* b, int64_t n) {
+__attribute__((target("avx2,fma,f16c"))) float dot_avx2(const T* a, const T* b, int64_t n) {
   __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -861,6 +911,23 @@ __attribute__((target("avx2,fma"))) void scale_into_bf16_avx2(const float* x, in
   }
   for (; i < n; ++i) out[i] = bf16_bits(x[i] * factor);
 }
+
+__attribute__((target("avx2,fma,f16c"))) void scale_into_half_avx2(const float* x, int64_t n, float factor,
+                                                                   c10::Half* out) {
+  const __m256 factor_v = _mm256_set1_ps(factor);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i rounded = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i), factor_v), kHalfRounding);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), rounded);
+  }
+  for (; i < n; ++i) out[i] = static_cast<c10::Half>(x[i] * factor);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void widen_avx2(const c10::Half* x, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, widen8_half(x + i));
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+}
 #endif
 
 
@@ -876,6 +943,14 @@ float dot_portable(const T* a, const T* b, int64_t n) {
 
 void scale_into_bf16_portable(const float* x, int64_t n, float factor, uint16_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(x[i] * factor);
+}
+
+void scale_into_half_portable(const float* x, int64_t n, float factor, c10::Half* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<c10::Half>(x[i] * factor);
+}
+
+void widen_portable(const c10::Half* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
 }
 
 }  // namespace
@@ -897,7 +972,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void row_dots_bf16_avx512(c
 }
 
 template <typename T>
-__attribute__((target("avx2,fma"))) void row_dots_avx2(const T* a, int64_t a_stride, const T* b, int64_t b_stride,
+__attribute__((target("avx2,fma,f16c"))) void row_dots_avx2(const T* a, int64_t a_stride, const T* b, int64_t b_stride,
                                                        int64_t rows, int64_t n, float* out) {
   for (int64_t r = 0; r < rows; ++r) out[r] = dot_avx2(a + r * a_stride, b + r * b_stride, n);
 }
@@ -905,6 +980,24 @@ __attribute__((target("avx2,fma"))) void row_dots_avx2(const T* a, int64_t a_str
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_rows_into_bf16_avx512(
     const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors, uint16_t* out, int64_t out_stride) {
   for (int64_t r = 0; r < rows; ++r) scale_into_bf16_avx512(x + r * x_stride, n, factors.of(r), out + r * out_stride);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void row_dots_half_avx512(const c10::Half* a, int64_t a_stride,
+                                                                              const c10::Half* b, int64_t b_stride,
+                                                                              int64_t rows, int64_t n, float* out) {
+  for (int64_t r = 0; r < rows; ++r) out[r] = dot_half_avx512(a + r * a_stride, b + r * b_stride, n);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_rows_into_half_avx512(
+    const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors, c10::Half* out,
+    int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) scale_into_half_avx512(x + r * x_stride, n, factors.of(r), out + r * out_stride);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void scale_rows_into_half_avx2(const float* x, int64_t x_stride,
+                                                                        int64_t rows, int64_t n, RowFactors factors,
+                                                                        c10::Half* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) scale_into_half_avx2(x + r * x_stride, n, factors.of(r), out + r * out_stride);
 }
 
 __attribute__((target("avx2,fma"))) void scale_rows_into_bf16_avx2(const float* x, int64_t x_stride, int64_t rows,
@@ -923,6 +1016,11 @@ void row_dots_portable(const T* a, int64_t a_stride, const T* b, int64_t b_strid
 void scale_rows_into_bf16_portable(const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors,
                                    uint16_t* out, int64_t out_stride) {
   for (int64_t r = 0; r < rows; ++r) scale_into_bf16_portable(x + r * x_stride, n, factors.of(r), out + r * out_stride);
+}
+
+void scale_rows_into_half_portable(const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors,
+                                   c10::Half* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) scale_into_half_portable(x + r * x_stride, n, factors.of(r), out + r * out_stride);
 }
 
 }  // namespace
@@ -951,6 +1049,18 @@ void row_dots(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_
   implementation(a, a_stride, b, b_stride, rows, n, out);
 }
 
+void row_dots(const c10::Half* a, int64_t a_stride, const c10::Half* b, int64_t b_stride, int64_t rows, int64_t n,
+              float* out) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &row_dots_half_avx512;
+    if (avx2_vectors()) return &row_dots_avx2<c10::Half>;
+#endif
+    return &row_dots_portable<c10::Half>;
+  }();
+  implementation(a, a_stride, b, b_stride, rows, n, out);
+}
+
 QKV_VECTORISED void scale_rows_into(const float* __restrict x, int64_t x_stride, int64_t rows, int64_t n,
                                     RowFactors factors, float* __restrict out, int64_t out_stride) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -973,6 +1083,29 @@ void scale_rows_into(const float* x, int64_t x_stride, int64_t rows, int64_t n, 
   implementation(x, x_stride, rows, n, factors, out, out_stride);
 }
 
+void scale_rows_into(const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors, c10::Half* out,
+                     int64_t out_stride) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &scale_rows_into_half_avx512;
+    if (avx2_vectors()) return &scale_rows_into_half_avx2;
+#endif
+    return &scale_rows_into_half_portable;
+  }();
+  implementation(x, x_stride, rows, n, factors, out, out_stride);
+}
+
+void widen(const c10::Half* x, int64_t n, float* out) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &widen_avx512;
+    if (avx2_vectors()) return &widen_avx2;
+#endif
+    return &widen_portable;
+  }();
+  implementation(x, n, out);
+}
+
 // The one-row forms: the block versions over a single row (one dispatch mechanism for both).
 float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.0f;
@@ -981,6 +1114,12 @@ float dot(const float* a, const float* b, int64_t n) {
 }
 
 float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
+  float sum = 0.0f;
+  row_dots(a, 0, b, 0, 1, n, &sum);
+  return sum;
+}
+
+float dot(const c10::Half* a, const c10::Half* b, int64_t n) {
   float sum = 0.0f;
   row_dots(a, 0, b, 0, 1, n, &sum);
   return sum;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -121,12 +122,20 @@ void transpose(const float* x, int64_t x_stride, int64_t rows, int64_t cols, flo
 /// The same of bfloat16 values (raw bits), each widened exactly to float32: a bfloat16 Kᵀ packed
 /// for the float32 products of CPUs without bfloat16 instructions.
 void transpose(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride);
+/// The same of float16 values, each widened exactly to float32 (F16C's vcvtph2ps where the
+/// vectors are AVX2 or AVX-512): float16 blocks always multiply as float32.
+void transpose(const c10::Half* x, int64_t x_stride, int64_t rows, int64_t cols, float* out, int64_t out_stride);
+
+/// out[i] <- x[i] widened exactly to float32, for i < n: a float16 row of a block product's operand.
+void widen(const c10::Half* x, int64_t n, float* out);
 
 /// Σ a[i] · b[i] for i < n, in float32: 16 partial sums side by side (lane i mod 16, whichever
 /// vectors the CPU has), then those added. The rows' D_i = rowsum(dO ⊙ O) of the backward.
 float dot(const float* a, const float* b, int64_t n);
 /// The same of bfloat16 values (raw bits), each widened exactly to float32.
 float dot(const uint16_t* a, const uint16_t* b, int64_t n);
+/// The same of float16 values.
+float dot(const c10::Half* a, const c10::Half* b, int64_t n);
 
 /// out[i] <- x[i] · factor: the float32 accumulators written out (the output, dQ, dK, dV).
 void scale_into(const float* x, int64_t n, float factor, float* out);
@@ -149,6 +158,10 @@ void scale_rows_into(const float* x, int64_t x_stride, int64_t rows, int64_t n, 
 /// The same rounded to bfloat16 (raw bits), each value as scale_into rounds it.
 void scale_rows_into(const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors, uint16_t* out,
                      int64_t out_stride);
+/// The same rounded to float16 (nearest even; beyond its range ±inf, a NaN stays NaN, subnormals
+/// kept): what converting each value to c10::Half gives, NaN payloads aside.
+void scale_rows_into(const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors, c10::Half* out,
+                     int64_t out_stride);
 
 /// out[r] <- dot(a + r · a_stride, b + r · b_stride, n) for r < rows, each summed exactly as dot()
 /// sums it: the backward's D = rowsum(dO ⊙ O) of a head in one call.
@@ -156,13 +169,15 @@ void row_dots(const float* a, int64_t a_stride, const float* b, int64_t b_stride
               float* out);
 void row_dots(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_stride, int64_t rows, int64_t n,
               float* out);
+void row_dots(const c10::Half* a, int64_t a_stride, const c10::Half* b, int64_t b_stride, int64_t rows, int64_t n,
+              float* out);
 
-/// row_dots and scale_rows_into for the kernel's element types: float32 and bfloat16 operands with
-/// float32 accumulators by the functions above, float64 by plain loops.
+/// row_dots and scale_rows_into for the kernel's element types: float32, bfloat16 and float16
+/// operands with float32 accumulators by the functions above, float64 by plain loops.
 template <typename scalar_t, typename acc_t>
 inline void dot_rows(const scalar_t* a, int64_t a_stride, const scalar_t* b, int64_t b_stride, int64_t rows, int64_t n,
                      acc_t* out) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::Half>) {
     row_dots(a, a_stride, b, b_stride, rows, n, out);
   } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     row_dots(reinterpret_cast<const uint16_t*>(a), a_stride, reinterpret_cast<const uint16_t*>(b), b_stride, rows, n,
@@ -182,7 +197,8 @@ template <typename scalar_t, typename acc_t>
 inline void write_scaled_rows(const acc_t* x, int64_t x_stride, int64_t rows, int64_t n,
                               const std::common_type_t<acc_t>* factors, acc_t factor, scalar_t* out,
                               int64_t out_stride) {
-  if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, float>) {
+  constexpr bool float_or_half = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::Half>;
+  if constexpr (std::is_same_v<acc_t, float> && float_or_half) {
     scale_rows_into(x, x_stride, rows, n, RowFactors{factors, factor}, out, out_stride);
   } else if constexpr (std::is_same_v<acc_t, float> && std::is_same_v<scalar_t, c10::BFloat16>) {
     scale_rows_into(x, x_stride, rows, n, RowFactors{factors, factor}, reinterpret_cast<uint16_t*>(out), out_stride);
