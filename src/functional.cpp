@@ -159,33 +159,20 @@ namespace {
 // The table, in order (PyTorch's sdp_utils in miniature): each backend's contract is met by every
 // input that reaches it (the tiled kernel normalises layouts itself, src/kernels/tiled/operands.cpp).
 AttentionBackend auto_backend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              const ScaledDotProductAttentionOptions& options, bool needs_grad) {
+                              const ScaledDotProductAttentionOptions& options) {
   // Only the math path returns weights. Empty inputs go to it too (values of width 0 included):
   // some fused kernels reject zero-sized launches, and there is nothing to compute.
   if (options.need_weights() || q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return AttentionBackend::Math;
   if (kernels::tiled_supports(q) && kernels::tiled_fast_for(q)) {
-    // One query row at inference (a decoded token) is three small products: the math path's few
-    // operations cost a little less than setting up the kernel (docs/PERFORMANCE.md, "Decoding").
-    // With gradients it stays on the tiled kernel, which (unlike LibTorch's fused CPU kernel)
-    // also gives second-order gradients.
-    // Not in bfloat16 where LibTorch's bfloat16 products are its own slow loops (no AVX-512).
-    const bool libtorch_bfloat16_slow =
-        q.scalar_type() == torch::kBFloat16 && kernels::tiled::libtorch_bfloat16_on_own_loops();
-    if (q.size(-2) == 1 && !needs_grad && !libtorch_bfloat16_slow) {
-      return fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
-    }
     // Faster than the math path at every size from N = 4 to 4096, forward and backward, on the
-    // 2-core development machine (docs/PERFORMANCE.md, "Choosing the CPU backend").
+    // 2-core development machine (docs/PERFORMANCE.md, "Choosing the CPU backend"); a decoded
+    // token too (one query row at inference, which the kernel takes by dot products, packing
+    // nothing), where it is also faster than LibTorch 2.14's fused CPU kernel, in every dtype
+    // (docs/PERFORMANCE.md, "Decoded tokens by dot products"). With gradients the tiled kernel
+    // (unlike LibTorch's fused CPU kernel) also gives second-order gradients.
     return AttentionBackend::Tiled;
   }
   return fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
-}
-
-bool needs_grad(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                const ScaledDotProductAttentionOptions& options) {
-  if (!torch::GradMode::is_enabled()) return false;
-  const auto& mask = options.mask();
-  return q.requires_grad() || k.requires_grad() || v.requires_grad() || (mask.defined() && mask.requires_grad());
 }
 
 }  // namespace
@@ -193,7 +180,7 @@ bool needs_grad(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
 AttentionBackend choose_backend(const torch::Tensor& q, const torch::Tensor& k,
                                 const ScaledDotProductAttentionOptions& options) {
   if (options.backend() != AttentionBackend::Auto) return options.backend();
-  return auto_backend(q, k, k, options, needs_grad(q, k, k, options));
+  return auto_backend(q, k, k, options);
 }
 
 AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -206,9 +193,7 @@ AttentionResult scaled_dot_product_attention(const torch::Tensor& q, const torch
     converted = ScaledDotProductAttentionOptions(given).key_lengths(given.key_lengths().to(torch::kLong));
   }
   const auto& options = convert_lengths ? converted : given;
-  const auto backend = options.backend() != AttentionBackend::Auto
-                           ? options.backend()
-                           : auto_backend(q, k, v, options, needs_grad(q, k, v, options));
+  const auto backend = options.backend() != AttentionBackend::Auto ? options.backend() : auto_backend(q, k, v, options);
   switch (backend) {
     case AttentionBackend::Fused:
       return kernels::fused_attention(q, k, v, options);

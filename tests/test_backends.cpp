@@ -25,12 +25,14 @@ TEST(Backends, TheResultSaysWhichBackendRan) {
   EXPECT_EQ(module->backend_for(x), AttentionBackend::Math);
 }
 
-TEST(Backends, DecodedTokenInBfloat16StaysOffLibTorchsOwnLoops) {
-  // A decoded token (one query row, no gradient) goes to LibTorch's attention (fused, or the math
-  // path's matmuls), which costs less than setting up the tiled kernel, except in bfloat16 where
-  // LibTorch's bfloat16 products are its own loops (no AVX-512; ctest's routes.isa_avx2 rerun makes
-  // the CPU look so): there it stays on the tiled kernel. Either way the output is the float64 math
-  // path's.
+TEST(Backends, DecodedTokenGoesToTheTiledKernelInEveryDtype) {
+  // A decoded token (one query row, no gradient) goes to the tiled kernel, which takes it by dot
+  // products (kernel.h, rows_by_dot_products): faster there than the math path's matmuls and than
+  // LibTorch 2.14's fused CPU kernel in float32, bfloat16 and float16 (docs/PERFORMANCE.md, "Decoded
+  // tokens by dot products"); until 2026-12-07 it went to LibTorch's, except in bfloat16 on CPUs
+  // without AVX-512 (ctest's routes.isa_avx2 rerun makes the CPU look so). The output is the float64
+  // math path's, in the module (float32, bfloat16) and in the core (float16, whose module LibTorch
+  // 1.13's CPU linear layers refuse).
   torch::manual_seed(19);
   qkv::SelfAttention module(qkv::SelfAttentionOptions(64).num_heads(4).causal(true));
   qkv::SelfAttention reference(qkv::SelfAttentionOptions(64).num_heads(4).causal(true).backend(AttentionBackend::Math));
@@ -41,15 +43,26 @@ TEST(Backends, DecodedTokenInBfloat16StaysOffLibTorchsOwnLoops) {
   }
   const auto token = torch::randn({2, 1, 64});
   torch::NoGradGuard no_grad;
-  const auto libtorch = qkv::fused_backend_available() ? AttentionBackend::Fused : AttentionBackend::Math;
-  EXPECT_EQ(module->backend_for(token), libtorch);
-  const bool own_loops = qkv::kernels::tiled::libtorch_bfloat16_on_own_loops();
+  EXPECT_EQ(module->backend_for(token), AttentionBackend::Tiled);
+  EXPECT_LT(qkv_test::relative_error(module(token), reference(token.to(torch::kDouble))),
+            qkv_test::tolerance_for(torch::kFloat, 64));
   module->to(torch::kBFloat16);
   const auto bf16_token = token.to(torch::kBFloat16);
-  EXPECT_EQ(module->backend_for(bf16_token), own_loops ? AttentionBackend::Tiled : libtorch)
+  EXPECT_EQ(module->backend_for(bf16_token), AttentionBackend::Tiled)
       << "usable instruction set " << qkv::kernels::tiled::isa_name(qkv::kernels::tiled::usable_isa());
   const auto want = reference(bf16_token.to(torch::kDouble));
   EXPECT_LT(qkv_test::relative_error(module(bf16_token), want), qkv_test::tolerance_for(torch::kBFloat16, 64));
+  // The core in float16: one query row of 4 heads against 300 cached keys (two key blocks).
+  const auto q = torch::randn({2, 4, 1, 16}, torch::kDouble), k = torch::randn({2, 4, 300, 16}, torch::kDouble);
+  const auto v = torch::randn({2, 4, 300, 16}, torch::kDouble);
+  const auto half = [](const torch::Tensor& t) { return t.to(torch::kHalf); };
+  const auto got = qkv::scaled_dot_product_attention(half(q), half(k), half(v));
+  EXPECT_EQ(got.backend, AttentionBackend::Tiled);
+  const auto math = qkv::scaled_dot_product_attention(
+      half(q).to(torch::kDouble), half(k).to(torch::kDouble), half(v).to(torch::kDouble),
+      qkv::ScaledDotProductAttentionOptions().backend(AttentionBackend::Math));
+  EXPECT_LT(qkv_test::relative_error(got.output.to(torch::kDouble), math.output),
+            qkv_test::tolerance_for(torch::kHalf, 300));
 }
 
 TEST(Backends, DropoutOnlyWhileTraining) {

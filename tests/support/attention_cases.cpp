@@ -326,12 +326,20 @@ CaseTensors make_tensors(const AttentionCase& c, c10::optional<torch::ScalarType
   return t;
 }
 
-CaseOutcome run_case(const AttentionCase& c, AttentionBackend backend, c10::optional<torch::ScalarType> dtype) {
+CaseOutcome run_case(const AttentionCase& c, AttentionBackend backend, c10::optional<torch::ScalarType> dtype,
+                     Passes passes) {
   auto t = make_tensors(c, dtype);
   auto options = t.options;
+  CaseOutcome outcome;
+  if (passes == Passes::ForwardOnly) {
+    const torch::NoGradGuard no_gradients;
+    const auto result = qkv::scaled_dot_product_attention(t.q, t.k, t.v, options.backend(backend));
+    outcome.output = result.output;
+    outcome.backend = result.backend;
+    return outcome;
+  }
   auto result = qkv::scaled_dot_product_attention(t.q, t.k, t.v, options.backend(backend));
   (result.output * t.upstream).sum().backward();
-  CaseOutcome outcome;
   outcome.output = result.output.detach();
   outcome.grad_q = t.q_leaf.grad(), outcome.grad_k = t.k_leaf.grad(), outcome.grad_v = t.v_leaf.grad();
   if (t.mask_leaf.defined() && t.mask_leaf.requires_grad()) outcome.grad_mask = t.mask_leaf.grad();
@@ -461,14 +469,14 @@ std::vector<AttentionBackend> backends_to_check() {
   return backends;
 }
 
-std::string check_case(const AttentionCase& c) {
+std::string check_case(const AttentionCase& c, Passes passes) {
   std::ostringstream report;
-  const auto reference = run_case(c, AttentionBackend::Math, torch::kDouble);
+  const auto reference = run_case(c, AttentionBackend::Math, torch::kDouble, passes);
   const auto magnitudes = term_magnitudes(c);
   for (const auto backend : backends_to_check()) {
     if (backend == AttentionBackend::Math && c.dtype == torch::kDouble) continue;  // the reference itself
     try {
-      const auto outcome = run_case(c, backend);
+      const auto outcome = run_case(c, backend, c10::nullopt, passes);
       const auto problems = compare_outcomes(c, outcome, reference, magnitudes);
       if (!problems.empty()) report << "\n  " << backend << " (ran " << outcome.backend << "):" << problems;
     } catch (const c10::Error& error) {
@@ -481,7 +489,8 @@ std::string check_case(const AttentionCase& c) {
     }
   }
   const auto text = report.str();
-  return text.empty() ? text : c.describe() + text;
+  if (text.empty()) return text;
+  return c.describe() + (passes == Passes::ForwardOnly ? " (forward only, no gradients)" : "") + text;
 }
 
 }  // namespace qkv_test

@@ -124,9 +124,14 @@ struct CaseOutcome {
   qkv::AttentionBackend backend = qkv::AttentionBackend::Math;
 };
 
-/// Runs the case through `backend` (forward, then backward of sum(output * upstream)).
+/// How a case is run: forward and backward, or the forward alone with gradients off (inference: a
+/// decoded token), where a backend may take another path (the tiled kernel's rows by dot products).
+enum class Passes { ForwardBackward, ForwardOnly };
+
+/// Runs the case through `backend` (forward, then backward of sum(output * upstream); or, with
+/// Passes::ForwardOnly, the forward under torch::NoGradGuard, no gradient in the outcome).
 CaseOutcome run_case(const AttentionCase& c, qkv::AttentionBackend backend,
-                     c10::optional<torch::ScalarType> dtype = c10::nullopt);
+                     c10::optional<torch::ScalarType> dtype = c10::nullopt, Passes passes = Passes::ForwardBackward);
 
 /// The size of the terms behind each result of the case, in float64: the forward and backward
 /// sums taken over |q|, |k|, |v|, |upstream| and the weights P, with dS = P ∘ (dP − rowsum(P ∘ dP))
@@ -149,6 +154,7 @@ std::vector<qkv::AttentionBackend> backends_to_check();
 /// Runs `c` through every backend of backends_to_check() and compares each with float64 Math.
 /// Returns "" when all agree or refuse with a c10::Error naming what they do not support (only an
 /// explicitly chosen backend may refuse; Auto must not), else every disagreement, with the case.
-std::string check_case(const AttentionCase& c);
+/// Passes::ForwardOnly compares the outputs of forwards run without gradients.
+std::string check_case(const AttentionCase& c, Passes passes = Passes::ForwardBackward);
 
 }  // namespace qkv_test

@@ -28,6 +28,13 @@ namespace qkv::kernels::tiled {
 
 namespace {
 
+// A row of values as vector_math's functions take it: float32 and float16 as they are, bfloat16
+// as raw bits.
+inline const float* value_bits(const float* x) { return x; }
+inline const uint16_t* value_bits(const c10::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); }
+inline const c10::Half* value_bits(const c10::Half* x) { return x; }
+inline const double* value_bits(const double* x) { return x; }
+
 // How far above the row maximum so far a block's scores may lie and still be exponentiated with
 // that maximum as their shift (the bfloat16 weights' speculative shift, below): e^8 ≈ 3000.
 constexpr float kShiftSlack = 8.0f;
@@ -81,9 +88,12 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
     std::vector<acc_t> row_max(kRowsPerBlock), row_sum(kRowsPerBlock), inverse_sum(kRowsPerBlock);
     std::vector<uint8_t> keep(kKeysPerBlock);
     accumulator.resize(static_cast<size_t>(kRowsPerBlock * p.Dv));
+    // A few rows a head and no backward: scores and outputs by dot products and weighted rows,
+    // in float32 (kernel.h), no block packed.
+    const bool direct = p.rows_by_dot_products();
     // Where the block products multiply bfloat16, the weights of step 4 go straight from the
     // exponential into bfloat16 (unless they are kept for the backward or dropped out first).
-    const bool bf16_products = product_kind<scalar_t>().bf16;
+    const bool bf16_products = product_kind<scalar_t>().bf16 && !direct;
     const bool bf16_weights = bf16_products && probabilities == nullptr && !p.dropout.active();
     AlignedVector<c10::BFloat16> weights(bf16_weights ? kRowsPerBlock * kKeysPerBlock : 0);
     PackedHead<scalar_t> head;
@@ -96,7 +106,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
       const int64_t kv_head = h / p.groups();
       const int64_t i0 = block * kRowsPerBlock, rows = std::min(kRowsPerBlock, p.N - i0);
       const Strided<scalar_t> q_rows{q.rows(b, h, i0), q.stride_row, 1};
-      head.select(b, kv_head, key_blocks);
+      if (!direct) head.select(b, kv_head, key_blocks);
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
       std::fill(accumulator.begin(), accumulator.end(), acc_t(0));
@@ -122,16 +132,25 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         // packed here, for one use.
         const bool aligned = j0 % kKeysPerBlock == 0;
         const RightOperand<scalar_t>*keys = &narrow_keys, *values = &narrow_values;
-        if (aligned) {
-          std::tie(keys, values) =
-              head.block(p, k, v, j0 / kKeysPerBlock, j0, std::min(kKeysPerBlock, p.S - j0));
+        if (direct) {
+          // Steps 1 and 2 by dot products: each row's scores against the block's key rows.
+          for (int64_t r = 0; r < rows; ++r) {
+            acc_t* row = scores.data() + r * kScoresStride;
+            dot_rows(q.rows(b, h, i0 + r), 0, k.rows(b, kv_head, j0), k.stride_row, cols, p.D, row);
+            if (p.product_scale() != acc_t(1)) scale(row, cols, p.product_scale());
+          }
         } else {
-          narrow_keys.prepare({k.rows(b, kv_head, j0), 1, k.stride_row}, p.D, cols);
-          narrow_values.prepare({v.rows(b, kv_head, j0), v.stride_row, 1}, cols, p.Dv);
+          if (aligned) {
+            std::tie(keys, values) =
+                head.block(p, k, v, j0 / kKeysPerBlock, j0, std::min(kKeysPerBlock, p.S - j0));
+          } else {
+            narrow_keys.prepare({k.rows(b, kv_head, j0), 1, k.stride_row}, p.D, cols);
+            narrow_values.prepare({v.rows(b, kv_head, j0), v.stride_row, 1}, cols, p.Dv);
+          }
+          // Steps 1 and 2: scores of the block (scaled here, or by the exponential below: `factor`).
+          keys->multiply_into(q_rows, rows, p.product_scale(), acc_t(0), scores.data(), kScoresStride,
+                              Leading{-1, cols});
         }
-        // Steps 1 and 2: scores of the block (scaled here, or by the exponential below: `factor`).
-        keys->multiply_into(q_rows, rows, p.product_scale(), acc_t(0), scores.data(), kScoresStride,
-                            Leading{-1, cols});
         const acc_t factor =
             p.apply_masks(b, h, i0, rows, j0, cols, scores.data(), kScoresStride, p.deferred_scale());
         // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
@@ -195,6 +214,13 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         }
         // Step 4: the block's weighted values.
         if constexpr (std::is_same_v<acc_t, float>) {
+          if (direct) {
+            for (int64_t r = 0; r < rows; ++r) {
+              add_weighted_rows(value_bits(v.rows(b, kv_head, j0)), v.stride_row, cols, p.Dv,
+                                scores.data() + r * kScoresStride, accumulator.data() + r * p.Dv);
+            }
+            continue;
+          }
           if (bf16_weights) {
             values->multiply_into(Strided<c10::BFloat16>{weights.data(), cols, 1}, rows, acc_t(1), acc_t(1),
                                   accumulator.data(), p.Dv, Leading{cols, -1});

@@ -26,6 +26,8 @@ constexpr int64_t kKeysPerBlock = 256;  // Bc
 // sets of the L1 cache. With rows 1 KiB apart those stores made the bfloat16 core 10% slower than
 // storing through a buffer; 16 values apart, 5% faster (Intel Xeon with AMX, 2026-12-02).
 constexpr int64_t kScoresStride = kKeysPerBlock + 16;
+// The most query rows a head for which the forward goes by dot products (Problem::rows_by_dot_products).
+constexpr int64_t kDirectRows = 4;
 
 /// A 4-D operand (B, H, rows, width) with unit stride along the width and rows at least `width`
 /// apart (BLAS's leading dimension): row r of head (b, h) starts at data + b·stride_b + h·stride_h + r·stride_row.
@@ -69,8 +71,19 @@ struct Problem {
   const int64_t* key_lengths = nullptr;  // (B,) or null
   MaskView<acc_t> mask;
   DropoutStream dropout{0, 0.0};
+  bool forward_only = false;  // no backward follows this forward (inference, a decoded token)
 
   int64_t groups() const { return H / Hkv; }
+  // Whether the forward takes each score as a dot product of a query row with a key row, and each
+  // output as a weighted sum of value rows, instead of packing the key and value blocks for the
+  // block products: for at most kDirectRows query rows a head (a decoded token, a few speculated
+  // ones), where packing a block costs more than the few rows' products with it (at N = 1 the
+  // packed path took 4.3× PyTorch 2.14's CPU kernel at 4096 keys), and only where no backward
+  // follows (the backward recomputes the scores with the block products; the forward's statistics
+  // must come from the same products: bfloat16's round the scores differently).
+  bool rows_by_dot_products() const {
+    return forward_only && N <= kDirectRows && std::is_same_v<acc_t, float>;
+  }
   // Whether the tasks take the batch elements of one head one after the other (head-major order)
   // rather than the heads of one batch element: where one mask of several heads or rows serves the
   // whole batch (a bias (1, H, N, S), ALiBi's or a relative-position table), so that its block of

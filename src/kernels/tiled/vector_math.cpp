@@ -1106,6 +1106,109 @@ void widen(const c10::Half* x, int64_t n, float* out) {
   implementation(x, n, out);
 }
 
+namespace {
+
+// add_weighted_rows: 64 columns of acc at a time in four registers, every row added into them
+// before they are stored (V's rows are read once per 64 columns, acc once).
+#if defined(__x86_64__)
+// 16 values of a row widened to float32 (0 in the lanes not asked for), on AVX-512 without
+// AVX512_BF16.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_widened(const float* x, __mmask16 lanes) {
+  return _mm512_maskz_loadu_ps(lanes, x);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_widened(const uint16_t* x,
+                                                                                 __mmask16 lanes) {
+  return widen_bf16(x, lanes);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_widened(const c10::Half* x,
+                                                                                 __mmask16 lanes) {
+  return widen_half(x, lanes);
+}
+
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void add_weighted_rows_avx512(const T* x, int64_t x_stride,
+                                                                                  int64_t rows, int64_t n,
+                                                                                  const float* weights, float* acc) {
+  for (int64_t d0 = 0; d0 < n; d0 += 64) {
+    __mmask16 lanes[4];
+    __m512 sum[4];
+    for (int i = 0; i < 4; ++i) {
+      lanes[i] = tail_lanes(n - d0 - 16 * i);
+      sum[i] = _mm512_maskz_loadu_ps(lanes[i], acc + d0 + 16 * i);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 w = _mm512_set1_ps(weights[r]);
+      const T* row = x + r * x_stride + d0;
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        sum[i] = _mm512_fmadd_ps(w, load16_widened(row + 16 * i, lanes[i]), sum[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) _mm512_mask_storeu_ps(acc + d0 + 16 * i, lanes[i], sum[i]);
+  }
+}
+
+// 16 columns at a time in two registers; the last columns one by one.
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) void add_weighted_rows_avx2(const T* x, int64_t x_stride, int64_t rows,
+                                                                     int64_t n, const float* weights, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= n; d0 += 16) {
+    __m256 low = _mm256_loadu_ps(acc + d0), high = _mm256_loadu_ps(acc + d0 + 8);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 w = _mm256_set1_ps(weights[r]);
+      const T* row = x + r * x_stride + d0;
+      low = _mm256_fmadd_ps(w, load8(row), low);
+      high = _mm256_fmadd_ps(w, load8(row + 8), high);
+    }
+    _mm256_storeu_ps(acc + d0, low), _mm256_storeu_ps(acc + d0 + 8, high);
+  }
+  for (; d0 < n; ++d0) {
+    float sum = acc[d0];
+    for (int64_t r = 0; r < rows; ++r) sum = std::fma(weights[r], widened(x[r * x_stride + d0]), sum);
+    acc[d0] = sum;
+  }
+}
+#endif
+
+template <typename T>
+void add_weighted_rows_portable(const T* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
+                                float* acc) {
+  for (int64_t d = 0; d < n; ++d) {
+    float sum = acc[d];
+    for (int64_t r = 0; r < rows; ++r) sum += weights[r] * widened(x[r * x_stride + d]);
+    acc[d] = sum;
+  }
+}
+
+template <typename T>
+void add_weighted_rows_any(const T* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights, float* acc) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &add_weighted_rows_avx512<T>;
+    if (avx2_vectors()) return &add_weighted_rows_avx2<T>;
+#endif
+    return &add_weighted_rows_portable<T>;
+  }();
+  implementation(x, x_stride, rows, n, weights, acc);
+}
+
+}  // namespace
+
+void add_weighted_rows(const float* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights, float* acc) {
+  add_weighted_rows_any(x, x_stride, rows, n, weights, acc);
+}
+
+void add_weighted_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
+                       float* acc) {
+  add_weighted_rows_any(x, x_stride, rows, n, weights, acc);
+}
+
+void add_weighted_rows(const c10::Half* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
+                       float* acc) {
+  add_weighted_rows_any(x, x_stride, rows, n, weights, acc);
+}
+
 // The one-row forms: the block versions over a single row (one dispatch mechanism for both).
 float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.0f;

@@ -172,6 +172,15 @@ void row_dots(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_
 void row_dots(const c10::Half* a, int64_t a_stride, const c10::Half* b, int64_t b_stride, int64_t rows, int64_t n,
               float* out);
 
+/// acc[d] += Σ_r weights[r] · x[r · x_stride + d] for d < n, r < rows, the rows widened exactly to
+/// float32: a few query rows' weighted values without packing V (the forward's rows by dot products,
+/// kernel.h). Each acc[d] sums its terms in the order of r.
+void add_weighted_rows(const float* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights, float* acc);
+void add_weighted_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
+                       float* acc);
+void add_weighted_rows(const c10::Half* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
+                       float* acc);
+
 /// row_dots and scale_rows_into for the kernel's element types: float32, bfloat16 and float16
 /// operands with float32 accumulators by the functions above, float64 by plain loops.
 template <typename scalar_t, typename acc_t>
