@@ -28,8 +28,8 @@ namespace qkv::kernels::tiled {
 
 namespace {
 
-// A row of values as vector_math's functions take it: float32 and float16 as they are, bfloat16
-// as raw bits.
+// A row of q, k or v as vector_math's functions take it: float32 and float16 as they are,
+// bfloat16 as raw bits.
 inline const float* value_bits(const float* x) { return x; }
 inline const uint16_t* value_bits(const c10::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); }
 inline const c10::Half* value_bits(const c10::Half* x) { return x; }
@@ -136,7 +136,10 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           // Steps 1 and 2 by dot products: each row's scores against the block's key rows.
           for (int64_t r = 0; r < rows; ++r) {
             acc_t* row = scores.data() + r * kScoresStride;
-            dot_rows(q.rows(b, h, i0 + r), 0, k.rows(b, kv_head, j0), k.stride_row, cols, p.D, row);
+            if constexpr (std::is_same_v<acc_t, float>) {
+              dots_with_rows(value_bits(q.rows(b, h, i0 + r)), value_bits(k.rows(b, kv_head, j0)), k.stride_row, cols,
+                             p.D, row);
+            }
             if (p.product_scale() != acc_t(1)) scale(row, cols, p.product_scale());
           }
         } else {

@@ -172,6 +172,15 @@ void row_dots(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_
 void row_dots(const c10::Half* a, int64_t a_stride, const c10::Half* b, int64_t b_stride, int64_t rows, int64_t n,
               float* out);
 
+/// out[r] <- Σ_d x[d] · rows[r · row_stride + d] for r < count, d < n, in float32 (values widened
+/// exactly): one query row's scores against a block of key rows (the forward's rows by dot
+/// products, kernel.h). On AVX-512 16 rows at a time, their 16 sums reduced together.
+void dots_with_rows(const float* x, const float* rows, int64_t row_stride, int64_t count, int64_t n, float* out);
+void dots_with_rows(const uint16_t* x, const uint16_t* rows, int64_t row_stride, int64_t count, int64_t n,
+                    float* out);
+void dots_with_rows(const c10::Half* x, const c10::Half* rows, int64_t row_stride, int64_t count, int64_t n,
+                    float* out);
+
 /// acc[d] += Σ_r weights[r] · x[r · x_stride + d] for d < n, r < rows, the rows widened exactly to
 /// float32: a few query rows' weighted values without packing V (the forward's rows by dot products,
 /// kernel.h). Each acc[d] sums its terms in the order of r.
