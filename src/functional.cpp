@@ -167,8 +167,9 @@ AttentionBackend auto_backend(const torch::Tensor& q, const torch::Tensor& k, co
     // Faster than the math path at every size from N = 4 to 4096, forward and backward, on the
     // 2-core development machine (docs/PERFORMANCE.md, "Choosing the CPU backend"); a decoded
     // token too (one query row at inference, which the kernel takes by dot products, packing
-    // nothing), where it is also faster than LibTorch 2.14's fused CPU kernel, in every dtype
-    // (docs/PERFORMANCE.md, "Decoded tokens by dot products"). With gradients the tiled kernel
+    // nothing): 2-4x the math path, 9-13x LibTorch 2.14's fused CPU kernel in bfloat16 and
+    // float16, and in float32 faster than it at 128 keys, 0.9x at 1024-4096 (docs/PERFORMANCE.md,
+    // "float16 on the CPU, and decoded tokens by dot products"). With gradients the tiled kernel
     // (unlike LibTorch's fused CPU kernel) also gives second-order gradients.
     return AttentionBackend::Tiled;
   }

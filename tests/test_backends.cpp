@@ -27,9 +27,9 @@ TEST(Backends, TheResultSaysWhichBackendRan) {
 
 TEST(Backends, DecodedTokenGoesToTheTiledKernelInEveryDtype) {
   // A decoded token (one query row, no gradient) goes to the tiled kernel, which takes it by dot
-  // products (kernel.h, rows_by_dot_products): faster there than the math path's matmuls and than
-  // LibTorch 2.14's fused CPU kernel in float32, bfloat16 and float16 (docs/PERFORMANCE.md, "Decoded
-  // tokens by dot products"); until 2026-12-07 it went to LibTorch's, except in bfloat16 on CPUs
+  // products (kernel.h, rows_by_dot_products): faster there than the math path's matmuls, and in
+  // bfloat16 and float16 than LibTorch 2.14's fused CPU kernel (docs/PERFORMANCE.md, "float16 on the
+  // CPU, and decoded tokens by dot products"); until 2026-12-07 it went to LibTorch's, except in bfloat16 on CPUs
   // without AVX-512 (ctest's routes.isa_avx2 rerun makes the CPU look so). The output is the float64
   // math path's, in the module (float32, bfloat16) and in the core (float16, whose module LibTorch
   // 1.13's CPU linear layers refuse).
