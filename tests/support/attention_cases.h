@@ -128,6 +128,12 @@ struct CaseOutcome {
 /// decoded token), where a backend may take another path (the tiled kernel's rows by dot products).
 enum class Passes { ForwardBackward, ForwardOnly };
 
+/// How the fuzzer runs a case it has drawn: one in four forward only. Drawn after the case, and
+/// with no byte left it is forward and backward, so the inputs saved before it decode as they did.
+inline Passes draw_passes(Chooser& chooser) {
+  return chooser.pick(4) == 3 ? Passes::ForwardOnly : Passes::ForwardBackward;
+}
+
 /// Runs the case through `backend` (forward, then backward of sum(output * upstream); or, with
 /// Passes::ForwardOnly, the forward under torch::NoGradGuard, no gradient in the outcome).
 CaseOutcome run_case(const AttentionCase& c, qkv::AttentionBackend backend,
