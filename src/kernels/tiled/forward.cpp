@@ -33,7 +33,6 @@ namespace {
 inline const float* value_bits(const float* x) { return x; }
 inline const uint16_t* value_bits(const c10::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); }
 inline const c10::Half* value_bits(const c10::Half* x) { return x; }
-inline const double* value_bits(const double* x) { return x; }
 
 // How far above the row maximum so far a block's scores may lie and still be exponentiated with
 // that maximum as their shift (the bfloat16 weights' speculative shift, below): e^8 ≈ 3000.

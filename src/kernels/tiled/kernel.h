@@ -78,7 +78,7 @@ struct Problem {
   // output as a weighted sum of value rows, instead of packing the key and value blocks for the
   // block products: for at most kDirectRows query rows a head (a decoded token, a few speculated
   // ones), where packing a block costs more than the few rows' products with it (at N = 1 the
-  // packed path took 4.3× PyTorch 2.14's CPU kernel at 4096 keys), and only where no backward
+  // packed path took 2.5× PyTorch 2.14's CPU kernel at 4096 keys, float32), and only where no backward
   // follows (the backward recomputes the scores with the block products; the forward's statistics
   // must come from the same products: bfloat16's round the scores differently).
   bool rows_by_dot_products() const {
