@@ -781,13 +781,7 @@ TEST(RowOperations, Float16WidensAndRoundsAsC10Half) {
 template <typename T>
 void check_dots_and_weighted_rows(std::mt19937& random) {
   std::normal_distribution<float> normal(0.0f, 2.0f);
-  const auto bits = [](const T* x) {
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      return reinterpret_cast<const uint16_t*>(x);
-    } else {
-      return x;
-    }
-  };
+  const auto bits = [](const T* x) { return qkv::kernels::vector_values(x); };
   for (int64_t count : {1, 15, 16, 17, 40}) {
     for (int64_t n : {1, 8, 16, 17, 64, 80}) {
       SCOPED_TRACE(std::string(c10::toString(c10::CppTypeToScalarType<T>::value)) + ", " + std::to_string(count) +

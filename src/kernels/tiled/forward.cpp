@@ -28,12 +28,6 @@ namespace qkv::kernels::tiled {
 
 namespace {
 
-// A row of q, k or v as vector_math's functions take it: float32 and float16 as they are,
-// bfloat16 as raw bits.
-inline const float* value_bits(const float* x) { return x; }
-inline const uint16_t* value_bits(const c10::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); }
-inline const c10::Half* value_bits(const c10::Half* x) { return x; }
-
 // How far above the row maximum so far a block's scores may lie and still be exponentiated with
 // that maximum as their shift (the bfloat16 weights' speculative shift, below): e^8 ≈ 3000.
 constexpr float kShiftSlack = 8.0f;
@@ -136,8 +130,8 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
           for (int64_t r = 0; r < rows; ++r) {
             acc_t* row = scores.data() + r * kScoresStride;
             if constexpr (std::is_same_v<acc_t, float>) {
-              dots_with_rows(value_bits(q.rows(b, h, i0 + r)), value_bits(k.rows(b, kv_head, j0)), k.stride_row, cols,
-                             p.D, row);
+              dots_with_rows(vector_values(q.rows(b, h, i0 + r)), vector_values(k.rows(b, kv_head, j0)), k.stride_row,
+                             cols, p.D, row);
             }
             if (p.product_scale() != acc_t(1)) scale(row, cols, p.product_scale());
           }
@@ -218,7 +212,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         if constexpr (std::is_same_v<acc_t, float>) {
           if (direct) {
             for (int64_t r = 0; r < rows; ++r) {
-              add_weighted_rows(value_bits(v.rows(b, kv_head, j0)), v.stride_row, cols, p.Dv,
+              add_weighted_rows(vector_values(v.rows(b, kv_head, j0)), v.stride_row, cols, p.Dv,
                                 scores.data() + r * kScoresStride, accumulator.data() + r * p.Dv);
             }
             continue;

@@ -39,17 +39,15 @@ int64_t columns_per_panel(ProductKind kind, int64_t n) {
 inline float as_float(float x) { return x; }
 inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float as_float(c10::Half x) { return static_cast<float>(x); }
-// What vector_math's functions take: float32 and float16 as they are, bfloat16 as raw bits.
-inline const float* bits_of(const float* x) { return x; }
-inline const uint16_t* bits_of(const c10::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); }
-inline const c10::Half* bits_of(const c10::Half* x) { return x; }
 
 // out[j] <- x[j] for j < n: float32 copied, bfloat16 widened (by the linear layers' vector loop),
 // float16 widened (vcvtph2ps).
 inline void copy_as_float(const float* x, int64_t n, float* out) {
   std::memcpy(out, x, sizeof(float) * static_cast<size_t>(n));
 }
-inline void copy_as_float(const c10::BFloat16* x, int64_t n, float* out) { linear::widen_values(bits_of(x), out, n); }
+inline void copy_as_float(const c10::BFloat16* x, int64_t n, float* out) {
+  linear::widen_values(vector_values(x), out, n);
+}
 inline void copy_as_float(const c10::Half* x, int64_t n, float* out) { widen(x, n, out); }
 inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }  // rounds to nearest even
 inline uint16_t bf16_bits(c10::BFloat16 x) { return x.x; }
@@ -494,7 +492,7 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
       // widened on the way. Value by value through the runtime strides, packing took 9.3% of the lm
       // attention's float32 samples and 4.7% of its bfloat16 ones (perf, AMD EPYC Zen 5).
       if (cols < width) std::fill(panel, panel + k * width, 0.0f);
-      transpose(bits_of(b.data + j0 * b.col_stride), b.col_stride, cols, k, panel, width);
+      transpose(vector_values(b.data + j0 * b.col_stride), b.col_stride, cols, k, panel, width);
     } else if (b.col_stride == 1) {  // B's rows lie contiguous: whole rows at a time
       for (int64_t p = 0; p < k; ++p) {
         float* out = panel + p * width;

@@ -90,6 +90,21 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 widen8_half(const c10::Ha
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
 }
 
+// 16 values of a row as float32 (0 in the lanes not asked for): float32 as they are, bfloat16
+// (raw bits) and float16 widened exactly. Every AVX-512 loop over the three element types loads
+// through it.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_widened(const float* x, __mmask16 lanes) {
+  return _mm512_maskz_loadu_ps(lanes, x);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_widened(const uint16_t* x,
+                                                                                 __mmask16 lanes) {
+  return widen_bf16(x, lanes);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_widened(const c10::Half* x,
+                                                                                 __mmask16 lanes) {
+  return widen_half(x, lanes);
+}
+
 // float32 to float16, nearest even (vcvtps2ph with its rounding given, not MXCSR's).
 constexpr int kHalfRounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
@@ -629,17 +644,6 @@ QKV_TARGET_BF16 void transpose_bf16_avx512(const uint16_t* x, int64_t x_stride, 
   }
 }
 
-// 16 values of a row (the `lanes` of them; 0 in the others) as float32 bits.
-QKV_TARGET_BF16 inline __m512i load16_as_float(const float* x, __mmask16 lanes) {
-  return _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, x));
-}
-QKV_TARGET_BF16 inline __m512i load16_as_float(const uint16_t* x, __mmask16 lanes) {
-  return _mm512_castps_si512(widen_bf16(x, lanes));
-}
-QKV_TARGET_BF16 inline __m512i load16_as_float(const c10::Half* x, __mmask16 lanes) {
-  return _mm512_castps_si512(widen_half(x, lanes));
-}
-
 template <typename T>
 QKV_TARGET_BF16 void transpose_avx512(const T* x, int64_t x_stride, int64_t rows, int64_t cols, float* out,
                                       int64_t out_stride) {
@@ -649,7 +653,8 @@ QKV_TARGET_BF16 void transpose_avx512(const T* x, int64_t x_stride, int64_t rows
       const __mmask16 lanes = tail_lanes(cols - c0);
       __m512i block[16];
       for (int64_t i = 0; i < 16; ++i) {
-        block[i] = r0 + i < rows ? load16_as_float(x + (r0 + i) * x_stride + c0, lanes) : _mm512_setzero_si512();
+        block[i] = r0 + i < rows ? _mm512_castps_si512(load16_widened(x + (r0 + i) * x_stride + c0, lanes))
+                                 : _mm512_setzero_si512();
       }
       tiled::transpose_16x16(block);
       for (int64_t c = 0; c < std::min<int64_t>(16, cols - c0); ++c) {
@@ -817,31 +822,13 @@ namespace {
 
 
 #if defined(__x86_64__)
-__attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, int64_t n) {
+// float32, bfloat16 (raw bits) or float16 values, widened by load16_widened.
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) float dot_avx512(const T* a, const T* b, int64_t n) {
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = tail_lanes(n - i);
-    sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, a + i), _mm512_maskz_loadu_ps(lanes, b + i), sum);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl"))) float dot_bf16_avx512(const uint16_t* a, const uint16_t* b,
-                                                                           int64_t n) {
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 lanes = tail_lanes(n - i);
-    sum = _mm512_fmadd_ps(widen_bf16(a + i, lanes), widen_bf16(b + i, lanes), sum);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl"))) float dot_half_avx512(const c10::Half* a, const c10::Half* b,
-                                                                           int64_t n) {
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 lanes = tail_lanes(n - i);
-    sum = _mm512_fmadd_ps(widen_half(a + i, lanes), widen_half(b + i, lanes), sum);
+    sum = _mm512_fmadd_ps(load16_widened(a + i, lanes), load16_widened(b + i, lanes), sum);
   }
   return _mm512_reduce_add_ps(sum);
 }
@@ -960,15 +947,11 @@ namespace {
 // The row loops of row_dots and scale_rows_into: one dispatch per block, the row functions above
 // inlined into a loop compiled for the same instructions.
 #if defined(__x86_64__)
-__attribute__((target("avx512f"))) void row_dots_avx512(const float* a, int64_t a_stride, const float* b,
-                                                        int64_t b_stride, int64_t rows, int64_t n, float* out) {
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void row_dots_avx512(const T* a, int64_t a_stride, const T* b,
+                                                                         int64_t b_stride, int64_t rows, int64_t n,
+                                                                         float* out) {
   for (int64_t r = 0; r < rows; ++r) out[r] = dot_avx512(a + r * a_stride, b + r * b_stride, n);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void row_dots_bf16_avx512(const uint16_t* a, int64_t a_stride,
-                                                                              const uint16_t* b, int64_t b_stride,
-                                                                              int64_t rows, int64_t n, float* out) {
-  for (int64_t r = 0; r < rows; ++r) out[r] = dot_bf16_avx512(a + r * a_stride, b + r * b_stride, n);
 }
 
 template <typename T>
@@ -980,12 +963,6 @@ __attribute__((target("avx2,fma,f16c"))) void row_dots_avx2(const T* a, int64_t 
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_rows_into_bf16_avx512(
     const float* x, int64_t x_stride, int64_t rows, int64_t n, RowFactors factors, uint16_t* out, int64_t out_stride) {
   for (int64_t r = 0; r < rows; ++r) scale_into_bf16_avx512(x + r * x_stride, n, factors.of(r), out + r * out_stride);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void row_dots_half_avx512(const c10::Half* a, int64_t a_stride,
-                                                                              const c10::Half* b, int64_t b_stride,
-                                                                              int64_t rows, int64_t n, float* out) {
-  for (int64_t r = 0; r < rows; ++r) out[r] = dot_half_avx512(a + r * a_stride, b + r * b_stride, n);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void scale_rows_into_half_avx512(
@@ -1029,7 +1006,7 @@ void row_dots(const float* a, int64_t a_stride, const float* b, int64_t b_stride
               float* out) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    if (wide_vectors()) return &row_dots_avx512;
+    if (wide_vectors()) return &row_dots_avx512<float>;
     if (avx2_vectors()) return &row_dots_avx2<float>;
 #endif
     return &row_dots_portable<float>;
@@ -1041,7 +1018,7 @@ void row_dots(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_
               float* out) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    if (wide_vectors()) return &row_dots_bf16_avx512;
+    if (wide_vectors()) return &row_dots_avx512<uint16_t>;
     if (avx2_vectors()) return &row_dots_avx2<uint16_t>;
 #endif
     return &row_dots_portable<uint16_t>;
@@ -1053,7 +1030,7 @@ void row_dots(const c10::Half* a, int64_t a_stride, const c10::Half* b, int64_t 
               float* out) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    if (wide_vectors()) return &row_dots_half_avx512;
+    if (wide_vectors()) return &row_dots_avx512<c10::Half>;
     if (avx2_vectors()) return &row_dots_avx2<c10::Half>;
 #endif
     return &row_dots_portable<c10::Half>;
@@ -1111,20 +1088,6 @@ namespace {
 // add_weighted_rows: 64 columns of acc at a time in four registers, every row added into them
 // before they are stored (V's rows are read once per 64 columns, acc once).
 #if defined(__x86_64__)
-// 16 values of a row widened to float32 (0 in the lanes not asked for), on AVX-512 without
-// AVX512_BF16.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_widened(const float* x, __mmask16 lanes) {
-  return _mm512_maskz_loadu_ps(lanes, x);
-}
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_widened(const uint16_t* x,
-                                                                                 __mmask16 lanes) {
-  return widen_bf16(x, lanes);
-}
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_widened(const c10::Half* x,
-                                                                                 __mmask16 lanes) {
-  return widen_half(x, lanes);
-}
-
 template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void add_weighted_rows_avx512(const T* x, int64_t x_stride,
                                                                                   int64_t rows, int64_t n,

@@ -190,16 +190,18 @@ void add_weighted_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_
 void add_weighted_rows(const c10::Half* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
                        float* acc);
 
+/// Values as the functions above take them: float32 and float16 as they are, bfloat16 as raw bits.
+inline const float* vector_values(const float* x) { return x; }
+inline const uint16_t* vector_values(const c10::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); }
+inline const c10::Half* vector_values(const c10::Half* x) { return x; }
+
 /// row_dots and scale_rows_into for the kernel's element types: float32, bfloat16 and float16
 /// operands with float32 accumulators by the functions above, float64 by plain loops.
 template <typename scalar_t, typename acc_t>
 inline void dot_rows(const scalar_t* a, int64_t a_stride, const scalar_t* b, int64_t b_stride, int64_t rows, int64_t n,
                      acc_t* out) {
-  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::Half>) {
-    row_dots(a, a_stride, b, b_stride, rows, n, out);
-  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    row_dots(reinterpret_cast<const uint16_t*>(a), a_stride, reinterpret_cast<const uint16_t*>(b), b_stride, rows, n,
-             out);
+  if constexpr (std::is_same_v<acc_t, float>) {
+    row_dots(vector_values(a), a_stride, vector_values(b), b_stride, rows, n, out);
   } else {
     for (int64_t r = 0; r < rows; ++r) {
       acc_t sum = 0;
