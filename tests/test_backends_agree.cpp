@@ -121,6 +121,33 @@ TEST(BackendsAgree, ForwardOnlyOfFewQueryRows) {
   EXPECT_EQ(failures, 0);
 }
 
+// The same against long caches with few heads: where batch elements × key/value heads make fewer
+// than 8 tasks, the dot-product forward splits each head's keys into ranges of whole blocks, run as
+// separate tasks and merged (forward.cpp, decode_key_ranges); the ranges of a query row that a
+// causal mask, a window or short key lengths leave empty merge as nothing. 1024 to 2600 keys, one
+// batch element (or two), 1 or 2 key/value heads with their groups, 1 to 4 rows, every mask kind,
+// layout and dtype, 80 cases, outputs against float64 math.
+TEST(BackendsAgree, ForwardOnlyOfFewQueryRowsOverKeyRanges) {
+  const auto [first, last] = qkv_test::seed_range("QKV_KEY_RANGES_SEED", {51000, 51080});
+  int failures = 0;
+  for (uint32_t seed = first; seed < last; ++seed) {
+    qkv_test::RandomChooser chooser(seed);
+    auto c = qkv_test::draw_case(chooser, 4096, [&](AttentionCase& drawn) {
+      drawn.N = chooser.one_of<int64_t>({1, 1, 2, 3, 4});
+      drawn.S = chooser.one_of<int64_t>({1024, 1025, 1536, 2049, 2600});
+      if (!drawn.unbatched) drawn.B = chooser.one_of<int64_t>({1, 1, 2});
+      drawn.Hkv = std::min<int64_t>(drawn.Hkv, 2), drawn.H = drawn.Hkv * chooser.one_of<int64_t>({1, 2, 4});
+    });
+    if (seed % 3 == 0) c.dtype = torch::kHalf;
+    const auto report = qkv_test::check_case(c, qkv_test::Passes::ForwardOnly);
+    if (!report.empty()) {
+      ++failures;
+      ADD_FAILURE() << "draw seed " << seed << ": " << report;
+    }
+  }
+  EXPECT_EQ(failures, 0);
+}
+
 // Heads of width 1 in bfloat16 past 128 keys with more than one head: PyTorch 2.6's CPU kernel
 // behind the fused backend gave gradients off by 100% of their size (found by the family above
 // over 2000 seeds; its forward and its float32 and float16 were right, and PyTorch 2.14's is).

@@ -218,6 +218,42 @@ TEST(Tiled, NaNInputsGiveNaNWhereTheMathPathGivesNaN) {
   }
 }
 
+// A decoded token against a long cache with few heads: the dot-product forward splits the keys into
+// ranges by the shape alone (forward.cpp, decode_key_ranges), so the output has the same bits on 1,
+// 2 and 3 threads; a NaN in one range's keys makes NaN exactly the rows of the heads that read that
+// key/value head, as the math path does, and the other rows match it.
+TEST(Tiled, DecodedTokensOverKeyRangesGiveTheSameBitsOnAnyThreadCount) {
+  const qkv_test::ThreadCount restore_thread_count(at::get_num_threads());  // the loop sets its own
+  torch::manual_seed(46);
+  const int64_t H = 4, Hkv = 2, S = 3000, D = 32;  // 2 key/value heads: 4 ranges of 768 keys each
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto q = torch::randn({1, H, 1, D}, dtype), v = torch::randn({1, Hkv, S, D}, dtype);
+    auto k = torch::randn({1, Hkv, S, D}, dtype);
+    k[0][1][2000][5] = std::numeric_limits<double>::quiet_NaN();  // the third range of key/value head 1
+    const auto options = qkv::ScaledDotProductAttentionOptions().enable_gqa(true).backend(AttentionBackend::Tiled);
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> outputs;
+    for (const int threads : {1, 2, 3}) {
+      at::set_num_threads(threads);
+      outputs.push_back(qkv::scaled_dot_product_attention(q, k, v, options).output);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      for (size_t t = 1; t < outputs.size(); ++t) {
+        const auto one = outputs[0][0][h], other = outputs[t][0][h];
+        EXPECT_TRUE(h / 2 == 1 ? one.isnan().all().item<bool>() && other.isnan().all().item<bool>() : one.equal(other))
+            << "head " << h << ", run " << t;
+      }
+    }
+    const auto math = qkv::scaled_dot_product_attention(q.to(torch::kDouble), k.to(torch::kDouble), v.to(torch::kDouble),
+                                                        qkv::ScaledDotProductAttentionOptions().enable_gqa(true).backend(AttentionBackend::Math))
+                          .output;
+    EXPECT_TRUE(math[0].slice(0, 2, 4).isnan().all().item<bool>());
+    EXPECT_LT(qkv_test::relative_error(outputs[0][0].slice(0, 0, 2), math[0].slice(0, 0, 2)),
+              qkv_test::tolerance_for(dtype, S));
+  }
+}
+
 // With bfloat16 weights the forward exponentiates a row's later key blocks with the row maximum of
 // the blocks before as the shift, and redoes a block with its own maximum where that rose more than
 // a slack (e^8) above it. Rows whose later blocks' scores rise by 3 and 6 (kept: weights above 1),
@@ -788,6 +824,34 @@ TEST(TiledDropout, EqualsTheMathPathGivenTheKernelsMask) {
                   "dropout with the kernel's mask, " + std::string(c10::toString(dtype)) +
                       (window ? ", window " + std::to_string(*window) : std::string()));
     }
+  }
+}
+
+// Dropout while training without gradients (Monte Carlo dropout at inference) on the dot-product
+// forward of a few rows (kernel.h, rows_by_dot_products), grouped heads and keys split into ranges
+// (1300 keys, 2 key/value heads of 2 batch elements): the same mask as the block path draws, so the
+// output is the float64 math path's weights times that mask, over 1 - p, times V.
+TEST(TiledDropout, DecodedTokensEqualTheMathPathGivenTheKernelsMask) {
+  torch::manual_seed(12);
+  const int64_t B = 2, H = 4, Hkv = 2, N = 3, S = 1300, D = 16;
+  const double p = 0.3;
+  const uint64_t seed = 0x5EED;
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    const auto q = torch::randn({B, H, N, D}, dtype), k = torch::randn({B, Hkv, S, D}, dtype);
+    const auto v = torch::randn({B, Hkv, S, D}, dtype);
+    const auto options = qkv::ScaledDotProductAttentionOptions().enable_gqa(true);
+    auto with_dropout = options;
+    with_dropout.dropout(p).training(true).backend(AttentionBackend::Tiled);
+    torch::NoGradGuard no_grad;
+    const auto tiled = qkv::kernels::tiled_attention_with_seed(q, k, v, with_dropout, seed).output;
+    const auto keep = qkv::kernels::tiled_dropout_keep_mask(seed, p, B, H, N, S).to(torch::kDouble);
+    auto math = options;
+    math.need_weights(true).backend(AttentionBackend::Math);
+    const auto wide_v = v.to(torch::kDouble);
+    const auto weights =
+        qkv::scaled_dot_product_attention(q.to(torch::kDouble), k.to(torch::kDouble), wide_v, math).weights;
+    const auto expected = torch::matmul(weights * keep / (1 - p), wide_v.repeat_interleave(H / Hkv, 1));
+    EXPECT_LT(qkv_test::relative_error(tiled, expected), qkv_test::tolerance_for(dtype, S)) << c10::toString(dtype);
   }
 }
 

@@ -5,7 +5,8 @@
 // blocks of a head) go to LibTorch's threads as they become free (task_queue.h), each thread with
 // its own scratch. The block products run on qkv's micro-kernels (packed_products.h); bfloat16
 // blocks multiply in bfloat16 where the CPU has AVX512_BF16, else as float32, float16 blocks always
-// as float32 (widened exactly), and all accumulate in float32.
+// as float32 (widened exactly), and all accumulate in float32. A few query rows with no backward to
+// follow (a decoded token) take dot products with the key rows instead (forward_by_dot_products).
 //
 // B = batch, H = query heads, N = query rows, S = keys, D = head width, Dv = value width.
 #include "kernels/tiled/aligned_buffer.h"
@@ -64,12 +65,170 @@ class PackedHead {
   std::vector<bool> packed_;
 };
 
+// The online softmax's state of a few query rows over a range of keys: each row's maximum so far m,
+// its sum of exponentials l (relative to m) and its weighted values (relative to m, Dv a row).
+struct RowsState {
+  std::vector<float> row_max, row_sum;
+  AlignedVector<float> accumulator;
+  void reset(int64_t rows, int64_t width) {
+    row_max.assign(static_cast<size_t>(rows), -std::numeric_limits<float>::infinity());
+    row_sum.assign(static_cast<size_t>(rows), 0.0f);
+    accumulator.assign(static_cast<size_t>(rows * width), 0.0f);
+  }
+};
+
+// Row r's output (accumulator / l; 0 for a row that attended to no key) rounded to scalar_t, and
+// its statistics (m, log l; m = +inf for such a row: kernel.h).
+template <typename scalar_t>
+void write_row(const Problem<float>& p, float row_max, float row_sum, const float* accumulator, scalar_t* out,
+               float* statistics) {
+  const bool dead = row_sum == 0.0f;
+  const float inverse_sum = dead ? 0.0f : 1.0f / row_sum;
+  statistics[0] = dead ? std::numeric_limits<float>::infinity() : row_max;
+  statistics[1] = dead ? 0.0f : std::log(row_sum);
+  write_scaled_rows(accumulator, p.Dv, 1, p.Dv, &inverse_sum, 1.0f, out, p.Dv);
+}
+
+// The forward of a few query rows a head with no backward to follow (Problem::rows_by_dot_products):
+// a decoded token, a few speculated ones. Each score is a query row's dot product with a key row
+// and each output a weighted sum of value rows, in float32, nothing packed; the online softmax,
+// masks, key lengths, windows and dropout as in forward_blocks.
+//
+// Tasks: one per (batch element, key/value head, range of keys). A task takes the rows of every
+// query head that shares its key/value head (grouped-query attention: G = H / Hkv heads), so that
+// each key and value row is streamed from memory once for all of them, not once per head (the
+// block's rows are then read again from the cache for the other heads' rows). Where batch elements
+// times key/value heads make fewer than kDecodeTasks tasks, the keys are split into ranges of whole
+// blocks (as in FlashDecoding), so that a single head against a long cache keeps every thread busy:
+// each range's rows end with their own (m, l, weighted values), merged afterwards by the max-rescale
+// of the online softmax. The split depends on the shape alone, never on the threads, so that a
+// result does not change with the thread count.
+constexpr int64_t kDecodeTasks = 8;
+// The fewest keys a range of a split takes: below this, the merge and a thread's handover cost
+// more than the range's dot products.
+constexpr int64_t kDecodeKeysPerRange = 2 * kKeysPerBlock;
+
+int64_t decode_key_ranges(const Problem<float>& p) {
+  const int64_t heads = p.B * p.Hkv;
+  if (heads == 0 || heads >= kDecodeTasks) return 1;
+  const int64_t wanted = (kDecodeTasks + heads - 1) / heads;
+  return std::max<int64_t>(1, std::min(wanted, p.S / kDecodeKeysPerRange));
+}
+
+template <typename scalar_t>
+void forward_by_dot_products(const Problem<float>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
+                             const Matrix4<scalar_t>& v, const OutputMatrix4<scalar_t>& out, float* row_statistics) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t G = p.groups(), rows = G * p.N;  // a task's rows: row g·N + i is row i of head kv_head·G + g
+  const int64_t ranges = decode_key_ranges(p);
+  const int64_t key_blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
+  const int64_t range_keys = (key_blocks + ranges - 1) / ranges * kKeysPerBlock;
+  // The ranges' states for the merge (ranges > 1): per task, rows × (m, l, Dv values).
+  const int64_t state_width = 2 + p.Dv;
+  std::vector<float> range_states(ranges > 1 ? static_cast<size_t>(p.B * p.Hkv * ranges * rows * state_width) : 0);
+  // Tasks of about 1 MFLOP at least (tasks_per_chunk): a short cache's token stays on one thread.
+  const double task_flops = 4.0 * static_cast<double>(rows) * static_cast<double>(std::min(p.S, range_keys)) *
+                            static_cast<double>(std::max(p.D, p.Dv));
+  const int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(1e6 / std::max(task_flops, 1.0)));
+  run_tasks(p.B * p.Hkv * ranges, chunk, [&](ThreadTasks& tasks) {
+    AlignedVector<float> scores(static_cast<size_t>(rows * kScoresStride));
+    std::vector<uint8_t> keep(kKeysPerBlock);
+    RowsState state;
+    for (int64_t task = 0; tasks.next(task);) {
+      const int64_t range = task % ranges, b = task / ranges / p.Hkv, kv_head = task / ranges % p.Hkv;
+      state.reset(rows, p.Dv);
+      const int64_t key_begin = std::max(p.key_begin(0), range * range_keys);
+      const int64_t key_end = std::min(p.key_limit(b, p.N), (range + 1) * range_keys);
+      for (int64_t j0 = key_begin; j0 < key_end; j0 += kKeysPerBlock) {
+        const int64_t cols = std::min(kKeysPerBlock, key_end - j0);
+        const auto* key_rows = vector_values(k.rows(b, kv_head, j0));
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = kv_head * G + g;
+          float* head_scores = scores.data() + g * p.N * kScoresStride;
+          // Steps 1 and 2: each row's scores against the block's key rows.
+          for (int64_t i = 0; i < p.N; ++i) {
+            float* row = head_scores + i * kScoresStride;
+            dots_with_rows(vector_values(q.rows(b, h, i)), key_rows, k.stride_row, cols, p.D, row);
+            if (p.product_scale() != 1.0f) scale(row, cols, p.product_scale());
+          }
+          const float factor = p.apply_masks(b, h, 0, p.N, j0, cols, head_scores, kScoresStride, p.deferred_scale());
+          // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
+          for (int64_t i = 0; i < p.N; ++i) {
+            const int64_t r = g * p.N + i;
+            float* row = head_scores + i * kScoresStride;
+            const float new_max = nan_max(state.row_max[r], factor * max_of(row, cols));
+            if (new_max == kNegInf) {  // nothing attended yet in this row
+              std::fill(row, row + cols, 0.0f);
+              continue;
+            }
+            const float correction = std::exp(state.row_max[r] - new_max);  // 0 on the row's first keys
+            state.row_sum[r] = state.row_sum[r] * correction + exp_shifted_sum(row, cols, factor, new_max);
+            state.row_max[r] = new_max;
+            if (correction != 1.0f) scale(state.accumulator.data() + r * p.Dv, p.Dv, correction);
+            if (p.dropout.active()) {
+              p.dropout.keep(b * p.H + h, i, j0, cols, keep.data());
+              const float kept = static_cast<float>(p.dropout.scale());
+              for (int64_t c = 0; c < cols; ++c) row[c] = keep[c] ? row[c] * kept : 0.0f;
+            }
+          }
+        }
+        // Step 4: the block's weighted values, every row of the task against the same value rows.
+        const auto* value_rows = vector_values(v.rows(b, kv_head, j0));
+        for (int64_t r = 0; r < rows; ++r) {
+          add_weighted_rows(value_rows, v.stride_row, cols, p.Dv, scores.data() + r * kScoresStride,
+                            state.accumulator.data() + r * p.Dv);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = kv_head * G + r / p.N, i = r % p.N;
+        const float* accumulator = state.accumulator.data() + r * p.Dv;
+        if (ranges == 1) {
+          write_row(p, state.row_max[r], state.row_sum[r], accumulator, out.rows(b, h, i),
+                    statistics_of_row(row_statistics, p, b, h, i));
+        } else {
+          float* kept = range_states.data() + (task * rows + r) * state_width;
+          kept[0] = state.row_max[r], kept[1] = state.row_sum[r];
+          std::copy(accumulator, accumulator + p.Dv, kept + 2);
+        }
+      }
+    }
+  });
+  if (ranges == 1) return;
+  // The merge: each row's ranges rescaled to their largest maximum m and added. A range in which
+  // the row attended to no key (m = -inf, l = 0) adds nothing; a NaN maximum (a NaN score) makes the
+  // row NaN, as it does unsplit.
+  std::vector<float> merged(static_cast<size_t>(p.Dv));
+  for (int64_t bkv = 0; bkv < p.B * p.Hkv; ++bkv) {
+    const int64_t b = bkv / p.Hkv, kv_head = bkv % p.Hkv;
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto state_of = [&](int64_t range) {
+        return range_states.data() + ((bkv * ranges + range) * rows + r) * state_width;
+      };
+      float row_max = kNegInf, row_sum = 0.0f;
+      for (int64_t range = 0; range < ranges; ++range) row_max = nan_max(row_max, state_of(range)[0]);
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      for (int64_t range = 0; range < ranges && row_max != kNegInf; ++range) {
+        const float* kept = state_of(range);
+        if (kept[0] == kNegInf) continue;
+        const float weight = std::exp(kept[0] - row_max);
+        row_sum += kept[1] * weight;
+        for (int64_t d = 0; d < p.Dv; ++d) merged[d] += weight * kept[2 + d];
+      }
+      const int64_t h = kv_head * G + r / p.N, i = r % p.N;
+      write_row(p, row_max, row_sum, merged.data(), out.rows(b, h, i), statistics_of_row(row_statistics, p, b, h, i));
+    }
+  }
+}
+
 }  // namespace
 
 template <typename scalar_t, typename acc_t>
 void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const Matrix4<scalar_t>& k,
                     const Matrix4<scalar_t>& v, const OutputMatrix4<scalar_t>& out, acc_t* row_statistics,
                     acc_t* probabilities) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (p.rows_by_dot_products()) return forward_by_dot_products(p, q, k, v, out, row_statistics);
+  }
   const int64_t row_blocks = (p.N + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t key_blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
   const int64_t task_count = p.B * p.H * row_blocks;
@@ -81,12 +240,9 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
     std::vector<acc_t> row_max(kRowsPerBlock), row_sum(kRowsPerBlock), inverse_sum(kRowsPerBlock);
     std::vector<uint8_t> keep(kKeysPerBlock);
     accumulator.resize(static_cast<size_t>(kRowsPerBlock * p.Dv));
-    // A few rows a head and no backward: scores and outputs by dot products and weighted rows,
-    // in float32 (kernel.h), no block packed.
-    const bool direct = p.rows_by_dot_products();
     // Where the block products multiply bfloat16, the weights of step 4 go straight from the
     // exponential into bfloat16 (unless they are kept for the backward or dropped out first).
-    const bool bf16_products = product_kind<scalar_t>().bf16 && !direct;
+    const bool bf16_products = product_kind<scalar_t>().bf16;
     const bool bf16_weights = bf16_products && probabilities == nullptr && !p.dropout.active();
     AlignedVector<c10::BFloat16> weights(bf16_weights ? kRowsPerBlock * kKeysPerBlock : 0);
     PackedHead<scalar_t> head;
@@ -99,7 +255,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
       const int64_t kv_head = h / p.groups();
       const int64_t i0 = block * kRowsPerBlock, rows = std::min(kRowsPerBlock, p.N - i0);
       const Strided<scalar_t> q_rows{q.rows(b, h, i0), q.stride_row, 1};
-      if (!direct) head.select(b, kv_head, key_blocks);
+      head.select(b, kv_head, key_blocks);
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
       std::fill(accumulator.begin(), accumulator.end(), acc_t(0));
@@ -125,28 +281,15 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         // packed here, for one use.
         const bool aligned = j0 % kKeysPerBlock == 0;
         const RightOperand<scalar_t>*keys = &narrow_keys, *values = &narrow_values;
-        if (direct) {
-          // Steps 1 and 2 by dot products: each row's scores against the block's key rows.
-          for (int64_t r = 0; r < rows; ++r) {
-            acc_t* row = scores.data() + r * kScoresStride;
-            if constexpr (std::is_same_v<acc_t, float>) {
-              dots_with_rows(vector_values(q.rows(b, h, i0 + r)), vector_values(k.rows(b, kv_head, j0)), k.stride_row,
-                             cols, p.D, row);
-            }
-            if (p.product_scale() != acc_t(1)) scale(row, cols, p.product_scale());
-          }
+        if (aligned) {
+          std::tie(keys, values) = head.block(p, k, v, j0 / kKeysPerBlock, j0, std::min(kKeysPerBlock, p.S - j0));
         } else {
-          if (aligned) {
-            std::tie(keys, values) =
-                head.block(p, k, v, j0 / kKeysPerBlock, j0, std::min(kKeysPerBlock, p.S - j0));
-          } else {
-            narrow_keys.prepare({k.rows(b, kv_head, j0), 1, k.stride_row}, p.D, cols);
-            narrow_values.prepare({v.rows(b, kv_head, j0), v.stride_row, 1}, cols, p.Dv);
-          }
-          // Steps 1 and 2: scores of the block (scaled here, or by the exponential below: `factor`).
-          keys->multiply_into(q_rows, rows, p.product_scale(), acc_t(0), scores.data(), kScoresStride,
-                              Leading{-1, cols});
+          narrow_keys.prepare({k.rows(b, kv_head, j0), 1, k.stride_row}, p.D, cols);
+          narrow_values.prepare({v.rows(b, kv_head, j0), v.stride_row, 1}, cols, p.Dv);
         }
+        // Steps 1 and 2: scores of the block (scaled here, or by the exponential below: `factor`).
+        keys->multiply_into(q_rows, rows, p.product_scale(), acc_t(0), scores.data(), kScoresStride,
+                            Leading{-1, cols});
         const acc_t factor =
             p.apply_masks(b, h, i0, rows, j0, cols, scores.data(), kScoresStride, p.deferred_scale());
         // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
@@ -210,13 +353,6 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
         }
         // Step 4: the block's weighted values.
         if constexpr (std::is_same_v<acc_t, float>) {
-          if (direct) {
-            for (int64_t r = 0; r < rows; ++r) {
-              add_weighted_rows(vector_values(v.rows(b, kv_head, j0)), v.stride_row, cols, p.Dv,
-                                scores.data() + r * kScoresStride, accumulator.data() + r * p.Dv);
-            }
-            continue;
-          }
           if (bf16_weights) {
             values->multiply_into(Strided<c10::BFloat16>{weights.data(), cols, 1}, rows, acc_t(1), acc_t(1),
                                   accumulator.data(), p.Dv, Leading{cols, -1});

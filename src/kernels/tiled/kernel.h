@@ -80,7 +80,9 @@ struct Problem {
   // ones), where packing a block costs more than the few rows' products with it (at N = 1 the
   // packed path took 2.5× PyTorch 2.14's CPU kernel at 4096 keys, float32), and only where no backward
   // follows (the backward recomputes the scores with the block products; the forward's statistics
-  // must come from the same products: bfloat16's round the scores differently).
+  // must come from the same products: bfloat16's round the scores differently). Its tasks take the
+  // query heads of a key/value head together and split long caches of few heads into key ranges
+  // (forward.cpp, forward_by_dot_products).
   bool rows_by_dot_products() const {
     return forward_only && N <= kDirectRows && std::is_same_v<acc_t, float>;
   }
