@@ -1,7 +1,7 @@
 // libFuzzer target: bytes decoded into a case of the attention core (shapes, grouped heads,
 // causal, masks, layouts, dtypes; tests/support/attention_cases.h, as the differential test draws
 // them) and run by every backend against the float64 math path, with gradients or (one in four)
-// forward only, without them. Auto must agree; a backend chosen
+// forward only, without them (a decoded token's sometimes against a long cache). Auto must agree; a backend chosen
 // by name may refuse with a c10::Error. A disagreement aborts (a finding); keep the input in
 // fuzz/corpus/backends, where tests/test_backends_agree.cpp replays it.
 #include "support/attention_cases.h"
@@ -20,8 +20,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }();
   (void)single_threaded;
   qkv_test::ByteChooser chooser(data, size);
-  const auto c = qkv_test::draw_case(chooser, /*max_positions=*/80);
-  const auto report = qkv_test::check_case(c, qkv_test::draw_passes(chooser));
+  auto c = qkv_test::draw_case(chooser, /*max_positions=*/80);
+  const auto passes = qkv_test::draw_passes(chooser);
+  qkv_test::draw_long_keys(chooser, c, passes);
+  const auto report = qkv_test::check_case(c, passes);
   if (!report.empty()) {
     std::fprintf(stderr, "backends disagree: %s\n", report.c_str());
     std::abort();

@@ -108,11 +108,17 @@ constexpr int64_t kDecodeTasks = 8;
 // more than the range's dot products.
 constexpr int64_t kDecodeKeysPerRange = 2 * kKeysPerBlock;
 
-int64_t decode_key_ranges(const Problem<float>& p) {
-  const int64_t heads = p.B * p.Hkv;
-  if (heads == 0 || heads >= kDecodeTasks) return 1;
-  const int64_t wanted = (kDecodeTasks + heads - 1) / heads;
-  return std::max<int64_t>(1, std::min(wanted, p.S / kDecodeKeysPerRange));
+// The ranges of a head's keys: `count` ranges of `keys` keys each (whole blocks; the last one the rest).
+struct KeyRanges {
+  int64_t count = 1, keys = 0;
+};
+
+KeyRanges decode_key_ranges(const Problem<float>& p) {
+  const int64_t heads = p.B * p.Hkv, key_blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
+  if (heads == 0 || heads >= kDecodeTasks || key_blocks == 0) return {1, key_blocks * kKeysPerBlock};
+  const int64_t wanted = std::max<int64_t>(1, std::min((kDecodeTasks + heads - 1) / heads, p.S / kDecodeKeysPerRange));
+  const int64_t blocks = (key_blocks + wanted - 1) / wanted;
+  return {(key_blocks + blocks - 1) / blocks, blocks * kKeysPerBlock};  // no range left empty
 }
 
 template <typename scalar_t>
@@ -120,9 +126,8 @@ void forward_by_dot_products(const Problem<float>& p, const Matrix4<scalar_t>& q
                              const Matrix4<scalar_t>& v, const OutputMatrix4<scalar_t>& out, float* row_statistics) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t G = p.groups(), rows = G * p.N;  // a task's rows: row g·N + i is row i of head kv_head·G + g
-  const int64_t ranges = decode_key_ranges(p);
-  const int64_t key_blocks = (p.S + kKeysPerBlock - 1) / kKeysPerBlock;
-  const int64_t range_keys = (key_blocks + ranges - 1) / ranges * kKeysPerBlock;
+  const KeyRanges split = decode_key_ranges(p);
+  const int64_t ranges = split.count, range_keys = split.keys;
   // The ranges' states for the merge (ranges > 1): per task, rows × (m, l, Dv values).
   const int64_t state_width = 2 + p.Dv;
   std::vector<float> range_states(ranges > 1 ? static_cast<size_t>(p.B * p.Hkv * ranges * rows * state_width) : 0);
