@@ -98,18 +98,19 @@ TEST(BackendsAgree, HalfPrecisionCases) {
             0);
 }
 
-// A forward without gradients for at most 4 query rows a head (a decoded token, a few speculated
+// A forward without gradients for at most 8 query rows a head (a decoded token, a few speculated
 // ones): the tiled kernel then takes its scores by dot products and its outputs as weighted value
-// rows, packing nothing (kernel.h, rows_by_dot_products); 5 rows, the packed path. Every mask kind,
-// layout, grouped heads, causal and windowed rows, key lengths, up to 600 keys (several key
-// blocks), every dtype (float16 one draw in three), 240 cases, outputs against float64 math.
+// rows, packing nothing (kernel.h, rows_by_dot_products: up to 8 rows on AVX-512, 4 elsewhere); 9
+// rows, the packed path. Every mask kind, layout, grouped heads, causal and windowed rows, key
+// lengths, up to 257 keys (two key blocks), every dtype (float16 one draw in three), 240 cases,
+// outputs against float64 math.
 TEST(BackendsAgree, ForwardOnlyOfFewQueryRows) {
   const auto [first, last] = qkv_test::seed_range("QKV_FEW_ROWS_SEED", {50000, 50240});
   int failures = 0;
   for (uint32_t seed = first; seed < last; ++seed) {
     qkv_test::RandomChooser chooser(seed);
     auto c = qkv_test::draw_case(chooser, seed % 2 == 0 ? 600 : 160, [&](AttentionCase& drawn) {
-      drawn.N = chooser.one_of<int64_t>({1, 1, 2, 3, 4, 5});
+      drawn.N = chooser.one_of<int64_t>({1, 1, 2, 3, 4, 5, 7, 8, 9});
     });
     if (seed % 3 == 0) c.dtype = torch::kHalf;
     const auto report = qkv_test::check_case(c, qkv_test::Passes::ForwardOnly);
@@ -125,7 +126,7 @@ TEST(BackendsAgree, ForwardOnlyOfFewQueryRows) {
 // than 8 tasks, the dot-product forward splits each head's keys into ranges of whole blocks, run as
 // separate tasks and merged (forward.cpp, decode_key_ranges); the ranges of a query row that a
 // causal mask, a window or short key lengths leave empty merge as nothing. 1024 to 2600 keys, one
-// batch element (or two), 1 or 2 key/value heads with their groups, 1 to 4 rows, every mask kind,
+// batch element (or two), 1 or 2 key/value heads with their groups, 1 to 8 rows, every mask kind,
 // layout and dtype, 80 cases, outputs against float64 math.
 TEST(BackendsAgree, ForwardOnlyOfFewQueryRowsOverKeyRanges) {
   const auto [first, last] = qkv_test::seed_range("QKV_KEY_RANGES_SEED", {51000, 51080});
@@ -133,7 +134,7 @@ TEST(BackendsAgree, ForwardOnlyOfFewQueryRowsOverKeyRanges) {
   for (uint32_t seed = first; seed < last; ++seed) {
     qkv_test::RandomChooser chooser(seed);
     auto c = qkv_test::draw_case(chooser, 4096, [&](AttentionCase& drawn) {
-      drawn.N = chooser.one_of<int64_t>({1, 1, 2, 3, 4});
+      drawn.N = chooser.one_of<int64_t>({1, 1, 2, 3, 4, 6, 8});
       drawn.S = chooser.one_of<int64_t>({1024, 1025, 1536, 2049, 2600});
       if (!drawn.unbatched) drawn.B = chooser.one_of<int64_t>({1, 1, 2});
       drawn.Hkv = std::min<int64_t>(drawn.Hkv, 2), drawn.H = drawn.Hkv * chooser.one_of<int64_t>({1, 2, 4});

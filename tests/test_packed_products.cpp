@@ -774,47 +774,69 @@ TEST(RowOperations, Float16WidensAndRoundsAsC10Half) {
   }
 }
 
-// The forward's rows by dot products (kernel.h): one row's dot products with a block of rows, and
-// rows added with weights, in float32, bfloat16 and float16, on the instruction set this run has
-// (ctest repeats RowOperations on the narrower ones): counts and widths around 16, strided rows,
-// against float64 sums within n float32 roundings of the terms' size; acc's other values untouched.
+// The forward's rows by dot products (kernel.h): a few query rows' dot products with a block of
+// rows, and rows added into a few accumulators with each one's weights, in float32, bfloat16 and
+// float16, on the instruction set this run has (ctest repeats RowOperations on the narrower ones):
+// 1 to 9 query rows (AVX-512 takes them 4 at a time, a last single one alone), counts and widths
+// around 4 and 16, strided rows, against float64 sums within n float32 roundings of the terms'
+// size; nothing written past the rows, keys or width asked for.
 template <typename T>
 void check_dots_and_weighted_rows(std::mt19937& random) {
   std::normal_distribution<float> normal(0.0f, 2.0f);
   const auto bits = [](const T* x) { return qkv::kernels::vector_values(x); };
-  for (int64_t count : {1, 15, 16, 17, 40}) {
-    for (int64_t n : {1, 8, 16, 17, 64, 80}) {
-      SCOPED_TRACE(std::string(c10::toString(c10::CppTypeToScalarType<T>::value)) + ", " + std::to_string(count) +
-                   " rows of " + std::to_string(n));
-      const int64_t stride = n + 3;
-      std::vector<T> x(n), rows(count * stride);
-      for (auto& value : x) value = static_cast<T>(normal(random));
-      for (auto& value : rows) value = static_cast<T>(normal(random));
-      std::vector<float> dots(count + 1, -7.0f), weights(count);
-      qkv::kernels::dots_with_rows(bits(x.data()), bits(rows.data()), stride, count, n, dots.data());
-      for (int64_t r = 0; r < count; ++r) {
-        double exact = 0, magnitude = 0;
-        for (int64_t d = 0; d < n; ++d) {
-          const double term = double(float(x[d])) * double(float(rows[r * stride + d]));
-          exact += term, magnitude += std::abs(term);
+  using Bits = std::remove_cv_t<std::remove_pointer_t<decltype(bits(static_cast<const T*>(nullptr)))>>;
+  constexpr float kUntouched = -7.0f;
+  for (int64_t queries : {1, 2, 3, 4, 5, 9}) {
+    for (int64_t count : {1, 3, 4, 15, 16, 17, 40}) {
+      for (int64_t n : {1, 8, 16, 17, 64, 80}) {
+        SCOPED_TRACE(std::string(c10::toString(c10::CppTypeToScalarType<T>::value)) + ", " + std::to_string(queries) +
+                     " query rows, " + std::to_string(count) + " rows of " + std::to_string(n));
+        const int64_t stride = n + 3, x_stride = n + 5, out_stride = count + 2, acc_stride = n + 1;
+        std::vector<T> x(queries * x_stride), rows(count * stride);
+        for (auto& value : x) value = static_cast<T>(normal(random));
+        for (auto& value : rows) value = static_cast<T>(normal(random));
+        std::vector<const Bits*> query_rows;
+        for (int64_t r = 0; r < queries; ++r) query_rows.push_back(bits(x.data() + r * x_stride));
+        // One row more than asked for: it must stay untouched.
+        std::vector<float> dots((queries + 1) * out_stride, kUntouched);
+        qkv::kernels::dots_with_rows(query_rows.data(), queries, bits(rows.data()), stride, count, n, dots.data(),
+                                     out_stride);
+        for (int64_t r = 0; r < queries; ++r) {
+          for (int64_t j = 0; j < count; ++j) {
+            double exact = 0, magnitude = 0;
+            for (int64_t d = 0; d < n; ++d) {
+              const double term = double(float(x[r * x_stride + d])) * double(float(rows[j * stride + d]));
+              exact += term, magnitude += std::abs(term);
+            }
+            EXPECT_NEAR(dots[r * out_stride + j], exact, (double(n) + 2) * std::ldexp(1.0, -23) * magnitude + 1e-30)
+                << "query " << r << ", row " << j;
+          }
+          for (int64_t j = count; j < out_stride; ++j) EXPECT_EQ(dots[r * out_stride + j], kUntouched) << "past the rows";
         }
-        EXPECT_NEAR(dots[r], exact, (double(n) + 2) * std::ldexp(1.0, -23) * magnitude + 1e-30) << "row " << r;
-      }
-      EXPECT_EQ(dots[count], -7.0f) << "wrote past the rows";
-      for (auto& w : weights) w = normal(random);
-      std::vector<float> acc(n + 1);
-      for (auto& value : acc) value = normal(random);
-      const std::vector<float> before = acc;
-      qkv::kernels::add_weighted_rows(bits(rows.data()), stride, count, n, weights.data(), acc.data());
-      for (int64_t d = 0; d < n; ++d) {
-        double exact = before[d], magnitude = std::abs(before[d]);
-        for (int64_t r = 0; r < count; ++r) {
-          const double term = double(weights[r]) * double(float(rows[r * stride + d]));
-          exact += term, magnitude += std::abs(term);
+        for (int64_t j = 0; j < out_stride; ++j) EXPECT_EQ(dots[queries * out_stride + j], kUntouched) << "past the queries";
+        std::vector<float> weights(queries * out_stride);
+        for (auto& w : weights) w = normal(random);
+        std::vector<float> acc((queries + 1) * acc_stride);
+        for (auto& value : acc) value = normal(random);
+        const std::vector<float> before = acc;
+        qkv::kernels::add_weighted_rows(bits(rows.data()), stride, count, n, weights.data(), out_stride, queries,
+                                        acc.data(), acc_stride);
+        for (int64_t r = 0; r < queries; ++r) {
+          for (int64_t d = 0; d < n; ++d) {
+            double exact = before[r * acc_stride + d], magnitude = std::abs(exact);
+            for (int64_t j = 0; j < count; ++j) {
+              const double term = double(weights[r * out_stride + j]) * double(float(rows[j * stride + d]));
+              exact += term, magnitude += std::abs(term);
+            }
+            EXPECT_NEAR(acc[r * acc_stride + d], exact, (double(count) + 2) * std::ldexp(1.0, -23) * magnitude)
+                << "query " << r << ", column " << d;
+          }
+          EXPECT_EQ(acc[r * acc_stride + n], before[r * acc_stride + n]) << "wrote past the width";
         }
-        EXPECT_NEAR(acc[d], exact, (double(count) + 2) * std::ldexp(1.0, -23) * magnitude) << "column " << d;
+        for (int64_t d = 0; d < acc_stride; ++d) {
+          EXPECT_EQ(acc[queries * acc_stride + d], before[queries * acc_stride + d]) << "wrote past the queries";
+        }
       }
-      EXPECT_EQ(acc[n], before[n]) << "wrote past the width";
     }
   }
 }

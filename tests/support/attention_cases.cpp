@@ -170,7 +170,7 @@ AttentionCase draw_case(Chooser& chooser, int64_t max_positions, const std::func
 }
 
 void draw_long_keys(Chooser& chooser, AttentionCase& c, Passes passes) {
-  if (passes != Passes::ForwardOnly || c.N > 4 || chooser.pick(4) != 3) return;
+  if (passes != Passes::ForwardOnly || c.N > 8 || chooser.pick(4) != 3) return;
   c.S = 1024 + chooser.pick(1600);
   c.mask_shape = mask_shape_of(c);
 }

@@ -134,7 +134,7 @@ inline Passes draw_passes(Chooser& chooser) {
   return chooser.pick(4) == 3 ? Passes::ForwardOnly : Passes::ForwardBackward;
 }
 
-/// One in four of the fuzzer's forward-only cases of at most 4 query rows (decoded tokens) given
+/// One in four of the fuzzer's forward-only cases of at most 8 query rows (decoded tokens) given
 /// 1024 to 2623 keys, where the tiled kernel splits the keys of few heads into ranges
 /// (src/kernels/tiled/forward.cpp); the mask's shape follows. Drawn after the passes, and with no
 /// byte left nothing changes, so the inputs saved before it decode as they did.

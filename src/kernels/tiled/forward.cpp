@@ -135,27 +135,29 @@ void forward_by_dot_products(const Problem<float>& p, const Matrix4<scalar_t>& q
   const double task_flops = 4.0 * static_cast<double>(rows) * static_cast<double>(std::min(p.S, range_keys)) *
                             static_cast<double>(std::max(p.D, p.Dv));
   const int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(1e6 / std::max(task_flops, 1.0)));
+  using values_t = std::remove_cv_t<std::remove_pointer_t<decltype(vector_values(q.data))>>;
   run_tasks(p.B * p.Hkv * ranges, chunk, [&](ThreadTasks& tasks) {
     AlignedVector<float> scores(static_cast<size_t>(rows * kScoresStride));
     std::vector<uint8_t> keep(kKeysPerBlock);
+    std::vector<const values_t*> query_rows(static_cast<size_t>(rows));
     RowsState state;
     for (int64_t task = 0; tasks.next(task);) {
       const int64_t range = task % ranges, b = task / ranges / p.Hkv, kv_head = task / ranges % p.Hkv;
       state.reset(rows, p.Dv);
+      for (int64_t r = 0; r < rows; ++r) query_rows[r] = vector_values(q.rows(b, kv_head * G + r / p.N, r % p.N));
       const int64_t key_begin = std::max(p.key_begin(0), range * range_keys);
       const int64_t key_end = std::min(p.key_limit(b, p.N), (range + 1) * range_keys);
       for (int64_t j0 = key_begin; j0 < key_end; j0 += kKeysPerBlock) {
         const int64_t cols = std::min(kKeysPerBlock, key_end - j0);
-        const auto* key_rows = vector_values(k.rows(b, kv_head, j0));
+        // Steps 1 and 2: every row's scores against the block's key rows.
+        dots_with_rows(query_rows.data(), rows, vector_values(k.rows(b, kv_head, j0)), k.stride_row, cols, p.D,
+                       scores.data(), kScoresStride);
+        if (p.product_scale() != 1.0f) {
+          for (int64_t r = 0; r < rows; ++r) scale(scores.data() + r * kScoresStride, cols, p.product_scale());
+        }
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kv_head * G + g;
           float* head_scores = scores.data() + g * p.N * kScoresStride;
-          // Steps 1 and 2: each row's scores against the block's key rows.
-          for (int64_t i = 0; i < p.N; ++i) {
-            float* row = head_scores + i * kScoresStride;
-            dots_with_rows(vector_values(q.rows(b, h, i)), key_rows, k.stride_row, cols, p.D, row);
-            if (p.product_scale() != 1.0f) scale(row, cols, p.product_scale());
-          }
           const float factor = p.apply_masks(b, h, 0, p.N, j0, cols, head_scores, kScoresStride, p.deferred_scale());
           // Step 3, online: rescale what was accumulated to the new row maximum, add this block.
           for (int64_t i = 0; i < p.N; ++i) {
@@ -178,11 +180,8 @@ void forward_by_dot_products(const Problem<float>& p, const Matrix4<scalar_t>& q
           }
         }
         // Step 4: the block's weighted values, every row of the task against the same value rows.
-        const auto* value_rows = vector_values(v.rows(b, kv_head, j0));
-        for (int64_t r = 0; r < rows; ++r) {
-          add_weighted_rows(value_rows, v.stride_row, cols, p.Dv, scores.data() + r * kScoresStride,
-                            state.accumulator.data() + r * p.Dv);
-        }
+        add_weighted_rows(vector_values(v.rows(b, kv_head, j0)), v.stride_row, cols, p.Dv, scores.data(), kScoresStride,
+                          rows, state.accumulator.data(), p.Dv);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = kv_head * G + r / p.N, i = r % p.N;

@@ -5,6 +5,7 @@
 // D = head width, Dv = value width, Br / Bc = rows / keys per block.
 #pragma once
 
+#include "kernels/tiled/cpu_features.h"
 #include "kernels/tiled/dropout.h"
 #include "kernels/tiled/vector_math.h"
 
@@ -26,8 +27,15 @@ constexpr int64_t kKeysPerBlock = 256;  // Bc
 // sets of the L1 cache. With rows 1 KiB apart those stores made the bfloat16 core 10% slower than
 // storing through a buffer; 16 values apart, 5% faster (Intel Xeon with AMX, 2026-12-02).
 constexpr int64_t kScoresStride = kKeysPerBlock + 16;
-// The most query rows a head for which the forward goes by dot products (Problem::rows_by_dot_products).
-constexpr int64_t kDirectRows = 4;
+// The most query rows a head for which the forward goes by dot products (Problem::rows_by_dot_products):
+// 8 where the row operations take 4 query rows at a time (AVX-512), else 4. One token of 8 heads of
+// width 64 against 4096 keys, float32, AMD EPYC Zen 5, 2 threads (2026-12-07): 8 rows took 0.34 ms
+// by dot products 4 at a time and 0.56-0.76 packed, 16 rows 0.87-0.96 against 0.71-0.79; with
+// AVX2's one row at a time (emulated), 8 rows 0.96-1.02 against 0.75-0.80 packed.
+inline int64_t direct_rows_limit() {
+  static const int64_t limit = at_least(active_isa(), ProductIsa::Avx512) ? 8 : 4;
+  return limit;
+}
 
 /// A 4-D operand (B, H, rows, width) with unit stride along the width and rows at least `width`
 /// apart (BLAS's leading dimension): row r of head (b, h) starts at data + b·stride_b + h·stride_h + r·stride_row.
@@ -76,7 +84,7 @@ struct Problem {
   int64_t groups() const { return H / Hkv; }
   // Whether the forward takes each score as a dot product of a query row with a key row, and each
   // output as a weighted sum of value rows, instead of packing the key and value blocks for the
-  // block products: for at most kDirectRows query rows a head (a decoded token, a few speculated
+  // block products: for at most direct_rows_limit() query rows a head (a decoded token, a few speculated
   // ones), where packing a block costs more than the few rows' products with it (at N = 1 the
   // packed path took 2.5× PyTorch 2.14's CPU kernel at 4096 keys, float32), and only where no backward
   // follows (the backward recomputes the scores with the block products; the forward's statistics
@@ -84,7 +92,7 @@ struct Problem {
   // query heads of a key/value head together and split long caches of few heads into key ranges
   // (forward.cpp, forward_by_dot_products).
   bool rows_by_dot_products() const {
-    return forward_only && N <= kDirectRows && std::is_same_v<acc_t, float>;
+    return forward_only && N <= direct_rows_limit() && std::is_same_v<acc_t, float>;
   }
   // Whether the tasks take the batch elements of one head one after the other (head-major order)
   // rather than the heads of one batch element: where one mask of several heads or rows serves the

@@ -1214,6 +1214,128 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dots_with_rows_avx512(
   }
 }
 
+// Dot products of a few query rows with the same key rows, in tiles of kRows rows × kKeys keys
+// (4 × 4, or 2 × 8): 16 registers of partial sums, each key chunk loaded once for the kRows rows and
+// each query chunk once for the kKeys keys (8 or 10 loads a 16 multiply-adds, where one row against
+// 16 keys takes 17), the tile's 16 sums reduced together (lanes r·kKeys .. r·kKeys + kKeys - 1 of
+// the result: row r's keys). Fewer than kRows rows or kKeys keys repeat the last one's pointer; only
+// the real ones are stored.
+template <int kRows, typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void dots_of_rows_avx512(const T* const* x, int64_t x_count,
+                                                                             const T* rows, int64_t row_stride,
+                                                                             int64_t count, int64_t n, float* out,
+                                                                             int64_t out_stride) {
+  static_assert(kRows == 2 || kRows == 4, "tiles of 2 × 8 or 4 × 4");
+  constexpr int kKeys = 16 / kRows;
+  const T* query[kRows];
+  for (int64_t r = 0; r < kRows; ++r) query[r] = x[std::min<int64_t>(r, x_count - 1)];
+  const int64_t ahead = prefetch_rows_ahead<T>(n) * row_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t j0 = 0; j0 < count; j0 += kKeys) {
+    const int64_t keys = std::min<int64_t>(kKeys, count - j0);
+    const T* key[kKeys];
+    for (int64_t c = 0; c < kKeys; ++c) {
+      key[c] = rows + (j0 + std::min<int64_t>(c, keys - 1)) * row_stride;
+      prefetch_values(key[c], ahead, n);
+    }
+    __m512 acc[16];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < n; d0 += 16) {
+      const __mmask16 lanes = tail_lanes(n - d0);
+      __m512 key_chunk[kKeys];
+#pragma GCC unroll 8
+      for (int c = 0; c < kKeys; ++c) key_chunk[c] = load16_widened(key[c] + d0, lanes);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 query_chunk = load16_widened(query[r] + d0, lanes);
+#pragma GCC unroll 8
+        for (int c = 0; c < kKeys; ++c) acc[kKeys * r + c] = _mm512_fmadd_ps(query_chunk, key_chunk[c], acc[kKeys * r + c]);
+      }
+    }
+    const __m512 sums = lane_sums_of_16(acc);
+    const auto stored = static_cast<__mmask8>((1u << keys) - 1u);
+    if constexpr (kRows == 4) {
+      _mm_mask_storeu_ps(out + j0, stored, _mm512_extractf32x4_ps(sums, 0));
+      if (x_count > 1) _mm_mask_storeu_ps(out + out_stride + j0, stored, _mm512_extractf32x4_ps(sums, 1));
+      if (x_count > 2) _mm_mask_storeu_ps(out + 2 * out_stride + j0, stored, _mm512_extractf32x4_ps(sums, 2));
+      if (x_count > 3) _mm_mask_storeu_ps(out + 3 * out_stride + j0, stored, _mm512_extractf32x4_ps(sums, 3));
+    } else {
+      _mm256_mask_storeu_ps(out + j0, stored, _mm512_castps512_ps256(sums));
+      if (x_count > 1) {
+        const __m512 high = _mm512_shuffle_f32x4(sums, sums, 0xEE);  // lanes 8..15 moved down
+        _mm256_mask_storeu_ps(out + out_stride + j0, stored, _mm512_castps512_ps256(high));
+      }
+    }
+  }
+}
+
+// Weighted value rows added into kRows (2 to 4) query rows' accumulators: 64 columns of each in
+// 4·kRows registers, each value row's chunk loaded once for the kRows rows (4 loads and kRows
+// broadcasts a 4·kRows multiply-adds, where one row takes 4 loads a 4).
+template <int kRows, typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void add_weighted_rows_into_avx512(
+    const T* x, int64_t x_stride, int64_t count, int64_t n, const float* weights, int64_t weight_stride, float* acc,
+    int64_t acc_stride) {
+  static_assert(kRows >= 2 && kRows <= 4, "2 to 4 rows");
+  const int64_t ahead = prefetch_rows_ahead<T>(n) * x_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t d0 = 0; d0 < n; d0 += 64) {
+    __mmask16 lanes[4];
+    __m512 sum[kRows][4];
+    for (int i = 0; i < 4; ++i) lanes[i] = tail_lanes(n - d0 - 16 * i);
+    for (int r = 0; r < kRows; ++r) {
+      for (int i = 0; i < 4; ++i) sum[r][i] = _mm512_maskz_loadu_ps(lanes[i], acc + r * acc_stride + d0 + 16 * i);
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const T* row = x + j * x_stride + d0;
+      prefetch_values(row, ahead, std::min<int64_t>(64, n - d0));
+      __m512 values[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) values[i] = load16_widened(row + 16 * i, lanes[i]);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 w = _mm512_set1_ps(weights[r * weight_stride + j]);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) sum[r][i] = _mm512_fmadd_ps(w, values[i], sum[r][i]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      for (int i = 0; i < 4; ++i) _mm512_mask_storeu_ps(acc + r * acc_stride + d0 + 16 * i, lanes[i], sum[r][i]);
+    }
+  }
+}
+
+// The query rows 4 at a time; 3 as a 4-row tile with one row repeated; 2 as a tile of 2 × 8; a
+// single row against 16 keys at a time.
+template <typename T>
+void dots_with_rows_avx512_rows(const T* const* x, int64_t x_count, const T* rows, int64_t row_stride, int64_t count,
+                                int64_t n, float* out, int64_t out_stride) {
+  for (int64_t r0 = 0; r0 < x_count; r0 += 4) {
+    const int64_t group = std::min<int64_t>(4, x_count - r0);
+    float* group_out = out + r0 * out_stride;
+    if (group >= 3) {
+      dots_of_rows_avx512<4>(x + r0, group, rows, row_stride, count, n, group_out, out_stride);
+    } else if (group == 2) {
+      dots_of_rows_avx512<2>(x + r0, group, rows, row_stride, count, n, group_out, out_stride);
+    } else {
+      dots_with_rows_avx512(x[r0], rows, row_stride, count, n, group_out);
+    }
+  }
+}
+
+template <typename T>
+void add_weighted_rows_avx512_rows(const T* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
+                                   int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride) {
+  for (int64_t r0 = 0; r0 < weight_rows; r0 += 4) {
+    const int64_t group = std::min<int64_t>(4, weight_rows - r0);
+    const float* group_weights = weights + r0 * weight_stride;
+    float* group_acc = acc + r0 * acc_stride;
+    switch (group) {
+      case 4: add_weighted_rows_into_avx512<4>(x, x_stride, count, n, group_weights, weight_stride, group_acc, acc_stride); break;
+      case 3: add_weighted_rows_into_avx512<3>(x, x_stride, count, n, group_weights, weight_stride, group_acc, acc_stride); break;
+      case 2: add_weighted_rows_into_avx512<2>(x, x_stride, count, n, group_weights, weight_stride, group_acc, acc_stride); break;
+      default: add_weighted_rows_avx512(x, x_stride, count, n, group_weights, group_acc); break;
+    }
+  }
+}
 #endif
 
 template <typename T>
@@ -1256,20 +1378,6 @@ __attribute__((target("avx2,fma,f16c"))) void dots_with_rows_avx2(const T* x, co
 #endif
 
 template <typename T>
-void dots_with_rows_any(const T* x, const T* rows, int64_t row_stride, int64_t count, int64_t n, float* out) {
-#if defined(__x86_64__)
-  static const auto implementation = [] {
-    if (wide_vectors()) return &dots_with_rows_avx512<T>;
-    if (avx2_vectors()) return &dots_with_rows_avx2<T>;
-    return &dots_with_rows_portable<T>;
-  }();
-  implementation(x, rows, row_stride, count, n, out);
-#else
-  dots_with_rows_portable(x, rows, row_stride, count, n, out);
-#endif
-}
-
-template <typename T>
 void add_weighted_rows_portable(const T* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
                                 float* acc) {
   for (int64_t d = 0; d < n; ++d) {
@@ -1279,46 +1387,75 @@ void add_weighted_rows_portable(const T* x, int64_t x_stride, int64_t rows, int6
   }
 }
 
+// Where no AVX-512 is used: the query rows one at a time, on the one-row version of the ISA.
+template <typename T, void (*one_row)(const T*, const T*, int64_t, int64_t, int64_t, float*)>
+void dots_with_rows_one_by_one(const T* const* x, int64_t x_count, const T* rows, int64_t row_stride, int64_t count,
+                               int64_t n, float* out, int64_t out_stride) {
+  for (int64_t r = 0; r < x_count; ++r) one_row(x[r], rows, row_stride, count, n, out + r * out_stride);
+}
+
+template <typename T, void (*one_row)(const T*, int64_t, int64_t, int64_t, const float*, float*)>
+void add_weighted_rows_one_by_one(const T* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
+                                  int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride) {
+  for (int64_t r = 0; r < weight_rows; ++r) one_row(x, x_stride, count, n, weights + r * weight_stride, acc + r * acc_stride);
+}
+
 template <typename T>
-void add_weighted_rows_any(const T* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights, float* acc) {
+void dots_with_rows_any(const T* const* x, int64_t x_count, const T* rows, int64_t row_stride, int64_t count,
+                        int64_t n, float* out, int64_t out_stride) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    if (wide_vectors()) return &add_weighted_rows_avx512<T>;
-    if (avx2_vectors()) return &add_weighted_rows_avx2<T>;
+    if (wide_vectors()) return &dots_with_rows_avx512_rows<T>;
+    if (avx2_vectors()) return &dots_with_rows_one_by_one<T, dots_with_rows_avx2<T>>;
 #endif
-    return &add_weighted_rows_portable<T>;
+    return &dots_with_rows_one_by_one<T, dots_with_rows_portable<T>>;
   }();
-  implementation(x, x_stride, rows, n, weights, acc);
+  implementation(x, x_count, rows, row_stride, count, n, out, out_stride);
+}
+
+template <typename T>
+void add_weighted_rows_any(const T* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
+                           int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride) {
+  static const auto implementation = [] {
+#if defined(__x86_64__)
+    if (wide_vectors()) return &add_weighted_rows_avx512_rows<T>;
+    if (avx2_vectors()) return &add_weighted_rows_one_by_one<T, add_weighted_rows_avx2<T>>;
+#endif
+    return &add_weighted_rows_one_by_one<T, add_weighted_rows_portable<T>>;
+  }();
+  implementation(x, x_stride, count, n, weights, weight_stride, weight_rows, acc, acc_stride);
 }
 
 }  // namespace
 
-void dots_with_rows(const float* x, const float* rows, int64_t row_stride, int64_t count, int64_t n, float* out) {
-  dots_with_rows_any(x, rows, row_stride, count, n, out);
+void dots_with_rows(const float* const* x, int64_t x_count, const float* rows, int64_t row_stride, int64_t count,
+                    int64_t n, float* out, int64_t out_stride) {
+  dots_with_rows_any(x, x_count, rows, row_stride, count, n, out, out_stride);
 }
 
-void dots_with_rows(const uint16_t* x, const uint16_t* rows, int64_t row_stride, int64_t count, int64_t n,
-                    float* out) {
-  dots_with_rows_any(x, rows, row_stride, count, n, out);
+void dots_with_rows(const uint16_t* const* x, int64_t x_count, const uint16_t* rows, int64_t row_stride,
+                    int64_t count, int64_t n, float* out, int64_t out_stride) {
+  dots_with_rows_any(x, x_count, rows, row_stride, count, n, out, out_stride);
 }
 
-void dots_with_rows(const c10::Half* x, const c10::Half* rows, int64_t row_stride, int64_t count, int64_t n,
-                    float* out) {
-  dots_with_rows_any(x, rows, row_stride, count, n, out);
+void dots_with_rows(const c10::Half* const* x, int64_t x_count, const c10::Half* rows, int64_t row_stride,
+                    int64_t count, int64_t n, float* out, int64_t out_stride) {
+  dots_with_rows_any(x, x_count, rows, row_stride, count, n, out, out_stride);
 }
 
-void add_weighted_rows(const float* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights, float* acc) {
-  add_weighted_rows_any(x, x_stride, rows, n, weights, acc);
+void add_weighted_rows(const float* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
+                       int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride) {
+  add_weighted_rows_any(x, x_stride, count, n, weights, weight_stride, weight_rows, acc, acc_stride);
 }
 
-void add_weighted_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
-                       float* acc) {
-  add_weighted_rows_any(x, x_stride, rows, n, weights, acc);
+void add_weighted_rows(const uint16_t* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
+                       int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride) {
+  add_weighted_rows_any(x, x_stride, count, n, weights, weight_stride, weight_rows, acc, acc_stride);
 }
 
-void add_weighted_rows(const c10::Half* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
-                       float* acc) {
-  add_weighted_rows_any(x, x_stride, rows, n, weights, acc);
+void add_weighted_rows(const c10::Half* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
+                       int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride) {
+  add_weighted_rows_any(x, x_stride, count, n, weights, weight_stride, weight_rows, acc, acc_stride);
 }
 
 // The one-row forms: the block versions over a single row (one dispatch mechanism for both).

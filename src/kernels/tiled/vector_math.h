@@ -172,23 +172,29 @@ void row_dots(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_
 void row_dots(const c10::Half* a, int64_t a_stride, const c10::Half* b, int64_t b_stride, int64_t rows, int64_t n,
               float* out);
 
-/// out[r] <- Σ_d x[d] · rows[r · row_stride + d] for r < count, d < n, in float32 (values widened
-/// exactly): one query row's scores against a block of key rows (the forward's rows by dot
-/// products, kernel.h). On AVX-512 16 rows at a time, their 16 sums reduced together.
-void dots_with_rows(const float* x, const float* rows, int64_t row_stride, int64_t count, int64_t n, float* out);
-void dots_with_rows(const uint16_t* x, const uint16_t* rows, int64_t row_stride, int64_t count, int64_t n,
-                    float* out);
-void dots_with_rows(const c10::Half* x, const c10::Half* rows, int64_t row_stride, int64_t count, int64_t n,
-                    float* out);
+/// out[r · out_stride + j] <- Σ_d x[r][d] · rows[j · row_stride + d] for r < x_count, j < count,
+/// d < n, in float32 (values widened exactly): a few query rows' scores against a block of key rows
+/// (the forward's rows by dot products, kernel.h). On AVX-512, 4 query rows at a time against 4
+/// keys at a time (each key row read once for the 4), a single row against 16 keys at a time; the
+/// sums of a tile reduced together. Elsewhere one query row at a time.
+void dots_with_rows(const float* const* x, int64_t x_count, const float* rows, int64_t row_stride, int64_t count,
+                    int64_t n, float* out, int64_t out_stride);
+void dots_with_rows(const uint16_t* const* x, int64_t x_count, const uint16_t* rows, int64_t row_stride,
+                    int64_t count, int64_t n, float* out, int64_t out_stride);
+void dots_with_rows(const c10::Half* const* x, int64_t x_count, const c10::Half* rows, int64_t row_stride,
+                    int64_t count, int64_t n, float* out, int64_t out_stride);
 
-/// acc[d] += Σ_r weights[r] · x[r · x_stride + d] for d < n, r < rows, the rows widened exactly to
-/// float32: a few query rows' weighted values without packing V (the forward's rows by dot products,
-/// kernel.h). Each acc[d] sums its terms in the order of r.
-void add_weighted_rows(const float* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights, float* acc);
-void add_weighted_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
-                       float* acc);
-void add_weighted_rows(const c10::Half* x, int64_t x_stride, int64_t rows, int64_t n, const float* weights,
-                       float* acc);
+/// acc[r · acc_stride + d] += Σ_j weights[r · weight_stride + j] · x[j · x_stride + d] for
+/// r < weight_rows, d < n, j < count, the rows of x widened exactly to float32: a few query rows'
+/// weighted values without packing V (the forward's rows by dot products, kernel.h). Each acc
+/// value sums its terms in the order of j. On AVX-512, 4 query rows at a time (each value row read
+/// once for the 4).
+void add_weighted_rows(const float* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
+                       int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride);
+void add_weighted_rows(const uint16_t* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
+                       int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride);
+void add_weighted_rows(const c10::Half* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
+                       int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride);
 
 /// Values as the functions above take them: float32 and float16 as they are, bfloat16 as raw bits.
 inline const float* vector_values(const float* x) { return x; }
