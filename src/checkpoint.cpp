@@ -6,6 +6,7 @@
 // backward is refused by autograd, as for any saved tensor.
 #include <qkv/checkpoint.h>
 
+#include "kernels/kernels.h"
 #include "torch_compat.h"
 
 #include <ATen/Context.h>
@@ -102,6 +103,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     ctx->save_for_backward(saved);
     ctx->saved_data["recipe"] = c10::IValue::make_capsule(recipe);
     const AutocastCacheOff no_cached_casts;
+    const kernels::RecomputedLater recomputed_later;  // the backward's second run must give the same output
     return recipe->function(std::vector<torch::Tensor>(inputs.begin(), inputs.end()));  // autograd is off here
   }
 

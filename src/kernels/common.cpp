@@ -65,4 +65,12 @@ PreparedMask prepare_mask(const ScaledDotProductAttentionOptions& options, const
   return prepared;
 }
 
+namespace {
+thread_local int recomputations_pending = 0;
+}  // namespace
+
+RecomputedLater::RecomputedLater() { ++recomputations_pending; }
+RecomputedLater::~RecomputedLater() { --recomputations_pending; }
+bool recomputed_later() { return recomputations_pending > 0; }
+
 }  // namespace qkv::kernels

@@ -26,6 +26,20 @@ AttentionResult fused_attention(const torch::Tensor& q, const torch::Tensor& k, 
 AttentionResult tiled_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const ScaledDotProductAttentionOptions& options);
 
+/// While one lives on a thread, the forwards run there will be run again with autograd to take
+/// their gradients: an activation checkpoint's first run (src/checkpoint.cpp), whose output the
+/// recomputation must reproduce bit for bit. A backend then computes as it does when a backward
+/// follows (the tiled kernel: no dot-product path for a few rows, kernel.h), though autograd is off.
+class RecomputedLater {
+ public:
+  RecomputedLater();
+  ~RecomputedLater();
+  RecomputedLater(const RecomputedLater&) = delete;
+  RecomputedLater& operator=(const RecomputedLater&) = delete;
+};
+/// Whether a RecomputedLater lives on this thread.
+bool recomputed_later();
+
 /// The multiplier of QKᵀ: the option, else 1/sqrt(D); 1 for D = 0, where every score is an empty
 /// dot product, 0 whatever the scale (1/√0 would make a kernel's 0 · ∞ NaN).
 double resolved_scale(const ScaledDotProductAttentionOptions& options, int64_t head_width);

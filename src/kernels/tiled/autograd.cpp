@@ -94,7 +94,8 @@ ForwardResult run_forward(const Operands& o, const Settings& settings, bool back
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "qkv_tiled_forward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     auto p = problem_of<acc_t>(o, settings);
-    p.forward_only = !backward_follows;
+    // A checkpoint's first run computes as its recomputation with autograd will (kernels.h).
+    p.forward_only = !backward_follows && !recomputed_later();
     const auto accumulation = q.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     result.row_statistics = torch::empty({p.B, p.H, p.N, kRowStatistics}, accumulation);
     const bool keep = backward_follows && keeps_probabilities(p);
