@@ -24,13 +24,14 @@ using qkv_test::AttentionCase;
 using qkv_test::Layout;
 using qkv_test::MaskKind;
 
-// The cases drawn from seeds first .. last - 1 by `draw`, each checked; every failing case is
-// printed whole with its draw seed. Returns the number that failed.
-int failed_draws(uint32_t first, uint32_t last, const std::function<AttentionCase(qkv_test::Chooser&, uint32_t)>& draw) {
+// The cases drawn from seeds first .. last - 1 by `draw`, each checked (forward and backward, or
+// `passes`); every failing case is printed whole with its draw seed. Returns the number that failed.
+int failed_draws(uint32_t first, uint32_t last, const std::function<AttentionCase(qkv_test::Chooser&, uint32_t)>& draw,
+                 qkv_test::Passes passes = qkv_test::Passes::ForwardBackward) {
   int failures = 0;
   for (uint32_t seed = first; seed < last; ++seed) {
     qkv_test::RandomChooser chooser(seed);
-    const auto report = qkv_test::check_case(draw(chooser, seed));
+    const auto report = qkv_test::check_case(draw(chooser, seed), passes);
     if (!report.empty()) {
       ++failures;
       ADD_FAILURE() << "draw seed " << seed << ": " << report;
@@ -106,20 +107,14 @@ TEST(BackendsAgree, HalfPrecisionCases) {
 // outputs against float64 math.
 TEST(BackendsAgree, ForwardOnlyOfFewQueryRows) {
   const auto [first, last] = qkv_test::seed_range("QKV_FEW_ROWS_SEED", {50000, 50240});
-  int failures = 0;
-  for (uint32_t seed = first; seed < last; ++seed) {
-    qkv_test::RandomChooser chooser(seed);
+  const auto draw = [](qkv_test::Chooser& chooser, uint32_t seed) {
     auto c = qkv_test::draw_case(chooser, seed % 2 == 0 ? 600 : 160, [&](AttentionCase& drawn) {
       drawn.N = chooser.one_of<int64_t>({1, 1, 2, 3, 4, 5, 7, 8, 9});
     });
     if (seed % 3 == 0) c.dtype = torch::kHalf;
-    const auto report = qkv_test::check_case(c, qkv_test::Passes::ForwardOnly);
-    if (!report.empty()) {
-      ++failures;
-      ADD_FAILURE() << "draw seed " << seed << ": " << report;
-    }
-  }
-  EXPECT_EQ(failures, 0);
+    return c;
+  };
+  EXPECT_EQ(failed_draws(first, last, draw, qkv_test::Passes::ForwardOnly), 0);
 }
 
 // The same against long caches with few heads: where batch elements × key/value heads make fewer
@@ -130,9 +125,7 @@ TEST(BackendsAgree, ForwardOnlyOfFewQueryRows) {
 // layout and dtype, 80 cases, outputs against float64 math.
 TEST(BackendsAgree, ForwardOnlyOfFewQueryRowsOverKeyRanges) {
   const auto [first, last] = qkv_test::seed_range("QKV_KEY_RANGES_SEED", {51000, 51080});
-  int failures = 0;
-  for (uint32_t seed = first; seed < last; ++seed) {
-    qkv_test::RandomChooser chooser(seed);
+  const auto draw = [](qkv_test::Chooser& chooser, uint32_t seed) {
     auto c = qkv_test::draw_case(chooser, 4096, [&](AttentionCase& drawn) {
       drawn.N = chooser.one_of<int64_t>({1, 1, 2, 3, 4, 6, 8});
       drawn.S = chooser.one_of<int64_t>({1024, 1025, 1536, 2049, 2600});
@@ -140,13 +133,9 @@ TEST(BackendsAgree, ForwardOnlyOfFewQueryRowsOverKeyRanges) {
       drawn.Hkv = std::min<int64_t>(drawn.Hkv, 2), drawn.H = drawn.Hkv * chooser.one_of<int64_t>({1, 2, 4});
     });
     if (seed % 3 == 0) c.dtype = torch::kHalf;
-    const auto report = qkv_test::check_case(c, qkv_test::Passes::ForwardOnly);
-    if (!report.empty()) {
-      ++failures;
-      ADD_FAILURE() << "draw seed " << seed << ": " << report;
-    }
-  }
-  EXPECT_EQ(failures, 0);
+    return c;
+  };
+  EXPECT_EQ(failed_draws(first, last, draw, qkv_test::Passes::ForwardOnly), 0);
 }
 
 // Heads of width 1 in bfloat16 past 128 keys with more than one head: PyTorch 2.6's CPU kernel
