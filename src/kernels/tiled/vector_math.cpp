@@ -19,10 +19,6 @@
 #include <immintrin.h>
 #endif
 
-#ifndef QKV_PREFETCH_BYTES
-#define QKV_PREFETCH_BYTES 4096
-#endif
-
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's AVX-512 intrinsics pass an undefined vector as the unused merge source, which its own
 // -Wmaybe-uninitialized (and, with the sanitizers' -O1, -Wuninitialized) then reports at each use
@@ -1092,7 +1088,7 @@ namespace {
 // the CPU's own prefetchers did not keep up with rows read 16 at a time: at 4096 keys (8 heads of
 // width 64, float32) a software prefetch 16 rows (4 KiB) ahead took a token from 0.17-0.21 ms to
 // 0.13 ms (AMD EPYC Zen 5, 2 threads, 2026-12-07; 2 and 8 KiB ahead were no better).
-constexpr int64_t kPrefetchBytes = QKV_PREFETCH_BYTES;
+constexpr int64_t kPrefetchBytes = 4096;
 
 template <typename T>
 int64_t prefetch_rows_ahead(int64_t n) {
