@@ -77,15 +77,22 @@ struct RowsState {
   }
 };
 
+// A row's statistics (m, log l; m = +inf for a row that attended to no key: kernel.h) written
+// from its running maximum and sum; returns the factor of its output, 1 / l (0 for such a row).
+template <typename acc_t>
+acc_t finish_row(acc_t row_max, acc_t row_sum, acc_t* statistics) {
+  const bool dead = row_sum == acc_t(0);
+  statistics[0] = dead ? std::numeric_limits<acc_t>::infinity() : row_max;
+  statistics[1] = dead ? acc_t(0) : std::log(row_sum);
+  return dead ? acc_t(0) : acc_t(1) / row_sum;
+}
+
 // Row r's output (accumulator / l; 0 for a row that attended to no key) rounded to scalar_t, and
-// its statistics (m, log l; m = +inf for such a row: kernel.h).
+// its statistics.
 template <typename scalar_t>
 void write_row(const Problem<float>& p, float row_max, float row_sum, const float* accumulator, scalar_t* out,
                float* statistics) {
-  const bool dead = row_sum == 0.0f;
-  const float inverse_sum = dead ? 0.0f : 1.0f / row_sum;
-  statistics[0] = dead ? std::numeric_limits<float>::infinity() : row_max;
-  statistics[1] = dead ? 0.0f : std::log(row_sum);
+  const float inverse_sum = finish_row(row_max, row_sum, statistics);
   write_scaled_rows(accumulator, p.Dv, 1, p.Dv, &inverse_sum, 1.0f, out, p.Dv);
 }
 
@@ -369,11 +376,7 @@ void forward_blocks(const Problem<acc_t>& p, const Matrix4<scalar_t>& q, const M
       // The rows' outputs (accumulator / row_sum; 0 for a row that attends to nothing) and their
       // statistics (m, log l), kept apart (kernel.h).
       for (int64_t r = 0; r < rows; ++r) {
-        const bool dead = row_sum[r] == acc_t(0);
-        inverse_sum[r] = dead ? acc_t(0) : acc_t(1) / row_sum[r];
-        acc_t* statistics = statistics_of_row(row_statistics, p, b, h, i0 + r);
-        statistics[0] = dead ? std::numeric_limits<acc_t>::infinity() : row_max[r];
-        statistics[1] = dead ? acc_t(0) : std::log(row_sum[r]);
+        inverse_sum[r] = finish_row(row_max[r], row_sum[r], statistics_of_row(row_statistics, p, b, h, i0 + r));
       }
       write_scaled_rows(accumulator.data(), p.Dv, rows, p.Dv, inverse_sum.data(), acc_t(1), out.rows(b, h, i0),
                         out.stride_row);

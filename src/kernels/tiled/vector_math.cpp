@@ -1090,10 +1090,12 @@ namespace {
 // 0.13 ms (AMD EPYC Zen 5, 2 threads, 2026-12-07; 2 and 8 KiB ahead were no better).
 constexpr int64_t kPrefetchBytes = 4096;
 
+// How many bytes ahead of a row of n values to prefetch, rows `stride` values apart: whole rows,
+// about kPrefetchBytes of them (at least one).
 template <typename T>
-int64_t prefetch_rows_ahead(int64_t n) {
+int64_t prefetch_distance(int64_t n, int64_t stride) {
   const int64_t row_bytes = std::max<int64_t>(n * static_cast<int64_t>(sizeof(T)), 1);
-  return std::max<int64_t>(1, kPrefetchBytes / row_bytes);
+  return std::max<int64_t>(1, kPrefetchBytes / row_bytes) * stride * static_cast<int64_t>(sizeof(T));
 }
 
 // A hint that the n values at x will be read soon: their cache lines asked for, nothing read. The
@@ -1115,7 +1117,7 @@ template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void add_weighted_rows_avx512(const T* x, int64_t x_stride,
                                                                                   int64_t rows, int64_t n,
                                                                                   const float* weights, float* acc) {
-  const int64_t ahead = prefetch_rows_ahead<T>(n) * x_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = prefetch_distance<T>(n, x_stride);
   for (int64_t d0 = 0; d0 < n; d0 += 64) {
     __mmask16 lanes[4];
     __m512 sum[4];
@@ -1140,7 +1142,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void add_weighted_rows_avx5
 template <typename T>
 __attribute__((target("avx2,fma,f16c"))) void add_weighted_rows_avx2(const T* x, int64_t x_stride, int64_t rows,
                                                                      int64_t n, const float* weights, float* acc) {
-  const int64_t ahead = prefetch_rows_ahead<T>(n) * x_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = prefetch_distance<T>(n, x_stride);
   int64_t d0 = 0;
   for (; d0 + 16 <= n; d0 += 16) {
     __m256 low = _mm256_loadu_ps(acc + d0), high = _mm256_loadu_ps(acc + d0 + 8);
@@ -1184,7 +1186,7 @@ template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void dots_with_rows_avx512(const T* x, const T* rows,
                                                                                int64_t row_stride, int64_t count,
                                                                                int64_t n, float* out) {
-  const int64_t ahead = prefetch_rows_ahead<T>(n) * row_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = prefetch_distance<T>(n, row_stride);
   int64_t r0 = 0;
   for (; r0 + 16 <= count; r0 += 16) {
     __m512 acc[16];
@@ -1225,7 +1227,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dots_of_rows_avx512(co
   constexpr int kKeys = 16 / kRows;
   const T* query[kRows];
   for (int64_t r = 0; r < kRows; ++r) query[r] = x[std::min<int64_t>(r, x_count - 1)];
-  const int64_t ahead = prefetch_rows_ahead<T>(n) * row_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = prefetch_distance<T>(n, row_stride);
   for (int64_t j0 = 0; j0 < count; j0 += kKeys) {
     const int64_t keys = std::min<int64_t>(kKeys, count - j0);
     const T* key[kKeys];
@@ -1272,7 +1274,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void add_weighted_rows_into
     const T* x, int64_t x_stride, int64_t count, int64_t n, const float* weights, int64_t weight_stride, float* acc,
     int64_t acc_stride) {
   static_assert(kRows >= 2 && kRows <= 4, "2 to 4 rows");
-  const int64_t ahead = prefetch_rows_ahead<T>(n) * x_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = prefetch_distance<T>(n, x_stride);
   for (int64_t d0 = 0; d0 < n; d0 += 64) {
     __mmask16 lanes[4];
     __m512 sum[kRows][4];
@@ -1352,7 +1354,7 @@ __attribute__((target("avx2,fma"))) inline __m256 lane_sums_of_8(const __m256 (&
 template <typename T>
 __attribute__((target("avx2,fma,f16c"))) void dots_with_rows_avx2(const T* x, const T* rows, int64_t row_stride,
                                                                   int64_t count, int64_t n, float* out) {
-  const int64_t ahead = prefetch_rows_ahead<T>(n) * row_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = prefetch_distance<T>(n, row_stride);
   const int64_t whole = n - n % 8;
   int64_t r0 = 0;
   for (; r0 + 8 <= count; r0 += 8) {
