@@ -777,16 +777,16 @@ TEST(RowOperations, Float16WidensAndRoundsAsC10Half) {
 // The forward's rows by dot products (kernel.h): a few query rows' dot products with a block of
 // rows, and rows added into a few accumulators with each one's weights, in float32, bfloat16 and
 // float16, on the instruction set this run has (ctest repeats RowOperations on the narrower ones):
-// 1 to 9 query rows (AVX-512 takes them 4 at a time, a last single one alone), counts and widths
-// around 4 and 16, strided rows, against float64 sums within n float32 roundings of the terms'
-// size; nothing written past the rows, keys or width asked for.
+// 1 to 9 query rows (AVX-512 and AVX2 take them in tiles of 4 or 2 rows, a last single one alone),
+// counts and widths around 4 and 16, strided rows, against float64 sums within n float32 roundings
+// of the terms' size; nothing written past the rows, keys or width asked for.
 template <typename T>
 void check_dots_and_weighted_rows(std::mt19937& random) {
   std::normal_distribution<float> normal(0.0f, 2.0f);
   const auto bits = [](const T* x) { return qkv::kernels::vector_values(x); };
   using Bits = std::remove_cv_t<std::remove_pointer_t<decltype(bits(static_cast<const T*>(nullptr)))>>;
   constexpr float kUntouched = -7.0f;
-  for (int64_t queries : {1, 2, 3, 4, 5, 9}) {
+  for (int64_t queries : {1, 2, 3, 4, 5, 6, 7, 9}) {
     for (int64_t count : {1, 3, 4, 15, 16, 17, 40}) {
       for (int64_t n : {1, 8, 16, 17, 64, 80}) {
         SCOPED_TRACE(std::string(c10::toString(c10::CppTypeToScalarType<T>::value)) + ", " + std::to_string(queries) +

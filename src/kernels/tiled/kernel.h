@@ -28,12 +28,13 @@ constexpr int64_t kKeysPerBlock = 256;  // Bc
 // storing through a buffer; 16 values apart, 5% faster (Intel Xeon with AMX, 2026-12-02).
 constexpr int64_t kScoresStride = kKeysPerBlock + 16;
 // The most query rows a head for which the forward goes by dot products (Problem::rows_by_dot_products):
-// 8 where the row operations take 4 query rows at a time (AVX-512), else 4. One token of 8 heads of
-// width 64 against 4096 keys, float32, AMD EPYC Zen 5, 2 threads (2026-12-07): 8 rows took 0.34 ms
-// by dot products 4 at a time and 0.56-0.76 packed, 16 rows 0.87-0.96 against 0.71-0.79; with
-// AVX2's one row at a time (emulated), 8 rows 0.96-1.02 against 0.75-0.80 packed.
+// 8 where the row operations take several query rows at a time (AVX-512 and AVX2 tiles), else 4. One
+// token of 8 heads of width 64 against 4096 keys, float32, AMD EPYC Zen 5, 2 threads (2026-12-07): 8
+// rows took 0.34 ms by dot products 4 at a time and 0.56-0.76 packed, 16 rows 0.87-0.96 against
+// 0.71-0.79; on the AVX2 path (QKV_TILED_ISA=avx2, same CPU), 8 rows 0.70 against 0.81 packed and
+// 16 rows 1.25 against 1.11 (medians of 8 and 6 interleaved runs).
 inline int64_t direct_rows_limit() {
-  static const int64_t limit = at_least(active_isa(), ProductIsa::Avx512) ? 8 : 4;
+  static const int64_t limit = at_least(active_isa(), ProductIsa::Avx2) ? 8 : 4;
   return limit;
 }
 

@@ -49,6 +49,16 @@ inline void copy_as_float(const c10::BFloat16* x, int64_t n, float* out) {
   linear::widen_values(vector_values(x), out, n);
 }
 inline void copy_as_float(const c10::Half* x, int64_t n, float* out) { widen(x, n, out); }
+// B's rows (contiguous, every panel W values wide and full) into its panels, row by row: each row
+// is read once, whole, in order, where panel by panel the reads strode through B once per panel.
+template <int64_t W>
+void copy_rows_to_panels(const float* b, int64_t row_stride, int64_t k, int64_t panels, float* out) {
+  for (int64_t p = 0; p < k; ++p) {
+    for (int64_t q = 0; q < panels; ++q) {
+      std::memcpy(out + (q * k + p) * W, b + p * row_stride + q * W, W * sizeof(float));
+    }
+  }
+}
 inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }  // rounds to nearest even
 inline uint16_t bf16_bits(c10::BFloat16 x) { return x.x; }
 
@@ -484,6 +494,12 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
   }
   depth_ = 0;
   f32_.resize(static_cast<size_t>(lay_out(n, kind, k, true)));
+  if constexpr (std::is_same_v<T, float>) {
+    if (b.col_stride == 1 && wide_columns_ == n && n % panel_ == 0) {
+      if (panel_ == 16) return copy_rows_to_panels<16>(b.data, b.row_stride, k, n / 16, f32_.data());
+      if (panel_ == 32) return copy_rows_to_panels<32>(b.data, b.row_stride, k, n / 32, f32_.data());
+    }
+  }
   for (int64_t j0 = 0, width = width_at(0); j0 < n; j0 += width, width = width_at(j0)) {
     float* panel = f32_.data() + j0 * k;
     const int64_t cols = std::min(width, n - j0);

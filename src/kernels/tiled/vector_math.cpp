@@ -1301,39 +1301,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void add_weighted_rows_into
   }
 }
 
-// The query rows 4 at a time; 3 as a 4-row tile with one row repeated; 2 as a tile of 2 × 8; a
-// single row against 16 keys at a time.
-template <typename T>
-void dots_with_rows_avx512_rows(const T* const* x, int64_t x_count, const T* rows, int64_t row_stride, int64_t count,
-                                int64_t n, float* out, int64_t out_stride) {
-  for (int64_t r0 = 0; r0 < x_count; r0 += 4) {
-    const int64_t group = std::min<int64_t>(4, x_count - r0);
-    float* group_out = out + r0 * out_stride;
-    if (group >= 3) {
-      dots_of_rows_avx512<4>(x + r0, group, rows, row_stride, count, n, group_out, out_stride);
-    } else if (group == 2) {
-      dots_of_rows_avx512<2>(x + r0, group, rows, row_stride, count, n, group_out, out_stride);
-    } else {
-      dots_with_rows_avx512(x[r0], rows, row_stride, count, n, group_out);
-    }
-  }
-}
-
-template <typename T>
-void add_weighted_rows_avx512_rows(const T* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
-                                   int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride) {
-  for (int64_t r0 = 0; r0 < weight_rows; r0 += 4) {
-    const int64_t group = std::min<int64_t>(4, weight_rows - r0);
-    const float* group_weights = weights + r0 * weight_stride;
-    float* group_acc = acc + r0 * acc_stride;
-    switch (group) {
-      case 4: add_weighted_rows_into_avx512<4>(x, x_stride, count, n, group_weights, weight_stride, group_acc, acc_stride); break;
-      case 3: add_weighted_rows_into_avx512<3>(x, x_stride, count, n, group_weights, weight_stride, group_acc, acc_stride); break;
-      case 2: add_weighted_rows_into_avx512<2>(x, x_stride, count, n, group_weights, weight_stride, group_acc, acc_stride); break;
-      default: add_weighted_rows_avx512(x, x_stride, count, n, group_weights, group_acc); break;
-    }
-  }
-}
 #endif
 
 template <typename T>
@@ -1373,6 +1340,97 @@ __attribute__((target("avx2,fma,f16c"))) void dots_with_rows_avx2(const T* x, co
   }
   for (; r0 < count; ++r0) out[r0] = dot_avx2(x, rows + r0 * row_stride, n);
 }
+
+// Dot products of a few query rows with the same key rows in tiles of kRows rows × kKeys keys (4 × 2,
+// or 2 × 4), as dots_of_rows_avx512 does with 16 registers: here 8 registers of partial sums (AVX2
+// has 16 in all), reduced together by lane_sums_of_8 (lanes r·kKeys .. r·kKeys + kKeys - 1: row r's
+// keys); each key chunk loaded once for the kRows rows, each query chunk once for the kKeys keys (6
+// loads for 8 multiply-adds, where one row against 8 keys takes 9). A width no 8 divides ends value by
+// value. Fewer than kRows rows or kKeys keys repeat the last one's pointer; only the real ones are
+// stored.
+template <int kRows, typename T>
+__attribute__((target("avx2,fma,f16c"))) void dots_of_rows_avx2(const T* const* x, int64_t x_count, const T* rows,
+                                                                int64_t row_stride, int64_t count, int64_t n,
+                                                                float* out, int64_t out_stride) {
+  static_assert(kRows == 2 || kRows == 4, "tiles of 2 × 4 or 4 × 2");
+  constexpr int kKeys = 8 / kRows;
+  const T* query[kRows];
+  for (int64_t r = 0; r < kRows; ++r) query[r] = x[std::min<int64_t>(r, x_count - 1)];
+  const int64_t stored_rows = std::min<int64_t>(kRows, x_count);
+  const int64_t ahead = prefetch_distance<T>(n, row_stride);
+  const int64_t whole = n - n % 8;
+  for (int64_t j0 = 0; j0 < count; j0 += kKeys) {
+    const int64_t keys = std::min<int64_t>(kKeys, count - j0);
+    const T* key[kKeys];
+    for (int64_t c = 0; c < kKeys; ++c) {
+      key[c] = rows + (j0 + std::min<int64_t>(c, keys - 1)) * row_stride;
+      prefetch_values(key[c], ahead, n);
+    }
+    __m256 acc[8];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t d0 = 0; d0 < whole; d0 += 8) {
+      __m256 key_chunk[kKeys];
+#pragma GCC unroll 4
+      for (int c = 0; c < kKeys; ++c) key_chunk[c] = load8(key[c] + d0);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 query_chunk = load8(query[r] + d0);
+#pragma GCC unroll 4
+        for (int c = 0; c < kKeys; ++c) acc[kKeys * r + c] = _mm256_fmadd_ps(query_chunk, key_chunk[c], acc[kKeys * r + c]);
+      }
+    }
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, lane_sums_of_8(acc));
+    for (int64_t d = whole; d < n; ++d) {
+      for (int r = 0; r < kRows; ++r) {
+        for (int c = 0; c < kKeys; ++c) sums[kKeys * r + c] = std::fma(widened(query[r][d]), widened(key[c][d]), sums[kKeys * r + c]);
+      }
+    }
+    for (int64_t r = 0; r < stored_rows; ++r) {
+      for (int64_t c = 0; c < keys; ++c) out[r * out_stride + j0 + c] = sums[kKeys * r + c];
+    }
+  }
+}
+
+// Weighted value rows added into kRows (2 to 4) query rows' accumulators: 16 columns of each in
+// 2·kRows registers, each value row's 16 values loaded once for the kRows rows (2 loads and kRows
+// broadcasts a 2·kRows multiply-adds, where one row takes 2 loads a 2); the last columns (a width no
+// 16 divides) value by value.
+template <int kRows, typename T>
+__attribute__((target("avx2,fma,f16c"))) void add_weighted_rows_into_avx2(const T* x, int64_t x_stride, int64_t count,
+                                                                          int64_t n, const float* weights,
+                                                                          int64_t weight_stride, float* acc,
+                                                                          int64_t acc_stride) {
+  static_assert(kRows >= 2 && kRows <= 4, "2 to 4 rows");
+  const int64_t ahead = prefetch_distance<T>(n, x_stride);
+  int64_t d0 = 0;
+  for (; d0 + 16 <= n; d0 += 16) {
+    __m256 sum[kRows][2];
+    for (int r = 0; r < kRows; ++r) {
+      sum[r][0] = _mm256_loadu_ps(acc + r * acc_stride + d0), sum[r][1] = _mm256_loadu_ps(acc + r * acc_stride + d0 + 8);
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const T* row = x + j * x_stride + d0;
+      prefetch_values(row, ahead, 16);
+      const __m256 low = load8(row), high = load8(row + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 w = _mm256_set1_ps(weights[r * weight_stride + j]);
+        sum[r][0] = _mm256_fmadd_ps(w, low, sum[r][0]), sum[r][1] = _mm256_fmadd_ps(w, high, sum[r][1]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      _mm256_storeu_ps(acc + r * acc_stride + d0, sum[r][0]), _mm256_storeu_ps(acc + r * acc_stride + d0 + 8, sum[r][1]);
+    }
+  }
+  for (; d0 < n; ++d0) {
+    for (int r = 0; r < kRows; ++r) {
+      float sum = acc[r * acc_stride + d0];
+      for (int64_t j = 0; j < count; ++j) sum = std::fma(weights[r * weight_stride + j], widened(x[j * x_stride + d0]), sum);
+      acc[r * acc_stride + d0] = sum;
+    }
+  }
+}
 #endif
 
 template <typename T>
@@ -1385,7 +1443,57 @@ void add_weighted_rows_portable(const T* x, int64_t x_stride, int64_t rows, int6
   }
 }
 
-// Where no AVX-512 is used: the query rows one at a time, on the one-row version of the ISA.
+#if defined(__x86_64__)
+// Which tiles of several query rows the row operations below take: AVX-512's (16 registers of sums)
+// or AVX2's (8).
+enum class RowTiles { Avx512, Avx2 };
+
+// The query rows 4 at a time; 3 as a 4-row tile with one row repeated; 2 as a 2-row tile (2 × 8 keys
+// on AVX-512, 2 × 4 on AVX2); a single row on the one-row routine (16 or 8 keys at a time).
+template <RowTiles kTiles, typename T>
+void dots_with_rows_in_tiles(const T* const* x, int64_t x_count, const T* rows, int64_t row_stride, int64_t count,
+                             int64_t n, float* out, int64_t out_stride) {
+  constexpr bool wide = kTiles == RowTiles::Avx512;
+  for (int64_t r0 = 0; r0 < x_count; r0 += 4) {
+    const int64_t group = std::min<int64_t>(4, x_count - r0);
+    float* group_out = out + r0 * out_stride;
+    if (group >= 3) {
+      (wide ? dots_of_rows_avx512<4, T> : dots_of_rows_avx2<4, T>)(x + r0, group, rows, row_stride, count, n,
+                                                                   group_out, out_stride);
+    } else if (group == 2) {
+      (wide ? dots_of_rows_avx512<2, T> : dots_of_rows_avx2<2, T>)(x + r0, group, rows, row_stride, count, n,
+                                                                   group_out, out_stride);
+    } else {
+      (wide ? dots_with_rows_avx512<T> : dots_with_rows_avx2<T>)(x[r0], rows, row_stride, count, n, group_out);
+    }
+  }
+}
+
+// The accumulators 4 at a time (2 or 3 for the last ones); a single one on the one-row routine.
+template <RowTiles kTiles, typename T>
+void add_weighted_rows_in_tiles(const T* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
+                                int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride) {
+  constexpr bool wide = kTiles == RowTiles::Avx512;
+  for (int64_t r0 = 0; r0 < weight_rows; r0 += 4) {
+    const int64_t group = std::min<int64_t>(4, weight_rows - r0);
+    const float* group_weights = weights + r0 * weight_stride;
+    float* group_acc = acc + r0 * acc_stride;
+    const auto tile = [&](auto rows_of_tile) {
+      constexpr int kRows = decltype(rows_of_tile)::value;
+      (wide ? add_weighted_rows_into_avx512<kRows, T> : add_weighted_rows_into_avx2<kRows, T>)(
+          x, x_stride, count, n, group_weights, weight_stride, group_acc, acc_stride);
+    };
+    switch (group) {
+      case 4: tile(std::integral_constant<int, 4>{}); break;
+      case 3: tile(std::integral_constant<int, 3>{}); break;
+      case 2: tile(std::integral_constant<int, 2>{}); break;
+      default: (wide ? add_weighted_rows_avx512<T> : add_weighted_rows_avx2<T>)(x, x_stride, count, n, group_weights, group_acc);
+    }
+  }
+}
+#endif
+
+// Where neither is used: the query rows one at a time, on the one-row version.
 template <typename T, void (*one_row)(const T*, const T*, int64_t, int64_t, int64_t, float*)>
 void dots_with_rows_one_by_one(const T* const* x, int64_t x_count, const T* rows, int64_t row_stride, int64_t count,
                                int64_t n, float* out, int64_t out_stride) {
@@ -1403,8 +1511,8 @@ void dots_with_rows_any(const T* const* x, int64_t x_count, const T* rows, int64
                         int64_t n, float* out, int64_t out_stride) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    if (wide_vectors()) return &dots_with_rows_avx512_rows<T>;
-    if (avx2_vectors()) return &dots_with_rows_one_by_one<T, dots_with_rows_avx2<T>>;
+    if (wide_vectors()) return &dots_with_rows_in_tiles<RowTiles::Avx512, T>;
+    if (avx2_vectors()) return &dots_with_rows_in_tiles<RowTiles::Avx2, T>;
 #endif
     return &dots_with_rows_one_by_one<T, dots_with_rows_portable<T>>;
   }();
@@ -1416,8 +1524,8 @@ void add_weighted_rows_any(const T* x, int64_t x_stride, int64_t count, int64_t 
                            int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride) {
   static const auto implementation = [] {
 #if defined(__x86_64__)
-    if (wide_vectors()) return &add_weighted_rows_avx512_rows<T>;
-    if (avx2_vectors()) return &add_weighted_rows_one_by_one<T, add_weighted_rows_avx2<T>>;
+    if (wide_vectors()) return &add_weighted_rows_in_tiles<RowTiles::Avx512, T>;
+    if (avx2_vectors()) return &add_weighted_rows_in_tiles<RowTiles::Avx2, T>;
 #endif
     return &add_weighted_rows_one_by_one<T, add_weighted_rows_portable<T>>;
   }();
