@@ -59,9 +59,11 @@ T draw(std::mt19937& random) {
 // One product with A (m × k) and B (k × n) stored as given (transposed or not, with padding
 // between rows), against float64 of the values as multiplied. With extra_k, extra_n > 0, B is
 // packed with that many more rows and columns and the product uses its leading k × n (Leading).
+// With borrow, float32 B is taken where it lies where it can be (PackedRight::borrow).
 template <typename T>
 void check_product(const ProductKind& kind, int64_t m, int64_t n, int64_t k, bool a_transposed, bool b_transposed,
-                   float alpha, float beta, std::mt19937& random, int64_t extra_k = 0, int64_t extra_n = 0) {
+                   float alpha, float beta, std::mt19937& random, int64_t extra_k = 0, int64_t extra_n = 0,
+                   bool borrow = false) {
   const int64_t pad = 3;
   const int64_t packed_k = k + extra_k, packed_n = n + extra_n;
   std::vector<T> a_store((m + pad) * (k + pad)), b_store((packed_k + pad) * (packed_n + pad));
@@ -77,7 +79,15 @@ void check_product(const ProductKind& kind, int64_t m, int64_t n, int64_t k, boo
   const std::vector<float> c_before = c;
 
   PackedRight packed;
-  packed.pack(b, packed_k, packed_n, kind);
+  if constexpr (std::is_same_v<T, float>) {
+    if (borrow) {
+      packed.borrow(b, packed_k, packed_n, kind);
+    } else {
+      packed.pack(b, packed_k, packed_n, kind);
+    }
+  } else {
+    packed.pack(b, packed_k, packed_n, kind);
+  }
   if (extra_k > 0 || extra_n > 0) {
     multiply(a, m, packed, alpha, beta, c.data(), ldc, qkv::kernels::tiled::Leading{k, n});
   } else {
@@ -175,6 +185,43 @@ TEST(PackedProducts, LeadingPartsOfAPackedOperandMatchFloat64) {
     }
   }
   EXPECT_GE(cases, 2 * 4 * 8);
+}
+
+// float32 rows taken where they lie (PackedRight::borrow: the forward's value blocks that few
+// query rows meet): whole panels of 16 and 32 columns and a narrow last one (n = 48, 80) read from
+// B's padded rows, and leading parts of them; where a panel would not be whole (n = 17, 100), B
+// transposed, or the products bfloat16, borrow packs instead. Both against float64.
+TEST(PackedProducts, BorrowedRowsMatchFloat64) {
+  std::mt19937 random(9);
+  int borrowed = 0;
+  for (const auto& kind : runnable_kinds()) {
+    SCOPED_TRACE(describe(kind));
+    for (const int64_t m : {1, 5, 13, 64}) {
+      for (const int64_t n : {16, 32, 48, 64, 80, 96, 17, 100}) {
+        for (const int64_t k : {1, 7, 64, 256}) {
+          const bool b_transposed = (m + k) % 5 == 0;
+          check_product<float>(kind, m, n, k, m == 13, b_transposed, m == 5 ? 0.125f : 1.0f, k == 7 ? 1.0f : 0.0f,
+                               random, 0, 0, true);
+          if (m == 5) {  // a leading part: k of 2k rows, half of the columns
+            check_product<float>(kind, m, n / 2, k, false, b_transposed, 1.0f, 0.0f, random, k, n - n / 2, true);
+          }
+        }
+        std::vector<float> b(64 * (n + 3), 1.0f);
+        PackedRight packed;
+        packed.borrow(Strided<float>{b.data(), n + 3, 1}, 64, n, kind);
+        const bool whole_panels = n % 16 == 0 && !kind.bf16;
+        EXPECT_EQ(packed.borrowed_row_stride(), whole_panels ? n + 3 : 0) << "n = " << n;
+        if (whole_panels) {
+          EXPECT_EQ(packed.f32(), b.data());
+        }
+        packed.pack(Strided<float>{b.data(), n + 3, 1}, 64, n, kind);  // packing again forgets the borrowed rows
+        EXPECT_EQ(packed.borrowed_row_stride(), 0);
+        EXPECT_NE(packed.f32(), b.data());
+        borrowed += whole_panels;
+      }
+    }
+  }
+  EXPECT_GE(borrowed, 4 * 6);
 }
 
 // Where 32-column panels would end in one of 16 columns or fewer, that last one is packed 16 wide

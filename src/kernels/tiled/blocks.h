@@ -70,6 +70,14 @@ template <typename scalar_t>
 class RightOperand {
  public:
   void prepare(Strided<scalar_t> b, int64_t k, int64_t n) { packed_.pack(b, k, n, product_kind<scalar_t>()); }
+  /// As prepare, but float32 rows are read where they lie where they can be (PackedRight::borrow).
+  void prepare_borrowed(Strided<scalar_t> b, int64_t k, int64_t n) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      packed_.borrow(b, k, n, product_kind<scalar_t>());
+    } else {
+      prepare(b, k, n);
+    }
+  }
   template <typename a_t>
   void multiply_into(Strided<a_t> a, int64_t m, float alpha, float beta, float* c, int64_t ldc,
                      Leading part = {}) const {
@@ -84,6 +92,7 @@ template <>
 class RightOperand<double> {
  public:
   void prepare(Strided<double> b, int64_t k, int64_t n) { b_ = b, k_ = k, n_ = n; }
+  void prepare_borrowed(Strided<double> b, int64_t k, int64_t n) { prepare(b, k, n); }  // read where it lies anyway
   void multiply_into(Strided<double> a, int64_t m, double alpha, double beta, double* c, int64_t ldc,
                      Leading part = {}) const {
     const int64_t k = part.k < 0 ? k_ : part.k, n = part.n < 0 ? n_ : part.n;

@@ -69,11 +69,11 @@ inline uint16_t bf16_bits(c10::BFloat16 x) { return x.x; }
 template <int MR>
 struct PortableTile {
   static constexpr int NR = 16;
-  static void run(int64_t k, const float* a, int64_t ars, int64_t acs, const float* panel, int64_t cols, float alpha,
-                  float beta, float* c, int64_t ldc) {
+  static void run(int64_t k, const float* a, int64_t ars, int64_t acs, const float* panel, int64_t panel_stride,
+                  int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
     float acc[MR][NR] = {};
     for (int64_t p = 0; p < k; ++p) {
-      const float* b = panel + p * NR;
+      const float* b = panel + p * panel_stride;
       for (int r = 0; r < MR; ++r) {
         const float x = a[r * ars + p * acs];
         for (int j = 0; j < NR; ++j) acc[r][j] += x * b[j];
@@ -91,12 +91,12 @@ template <int MR>
 struct Avx2Tile {
   static constexpr int NR = 16;
   QKV_TARGET_AVX2 static void run(int64_t k, const float* a, int64_t ars, int64_t acs, const float* panel,
-                                  int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
+                                  int64_t panel_stride, int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
     __m256 acc[MR][2];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t p = 0; p < k; ++p) {
-      const __m256 b0 = _mm256_loadu_ps(panel + p * NR), b1 = _mm256_loadu_ps(panel + p * NR + 8);
+      const __m256 b0 = _mm256_loadu_ps(panel + p * panel_stride), b1 = _mm256_loadu_ps(panel + p * panel_stride + 8);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const __m256 x = _mm256_broadcast_ss(a + r * ars + p * acs);
@@ -157,7 +157,8 @@ template <int MR, int V>
 struct Avx512TileOf {
   static constexpr int NR = 16 * V;
   QKV_TARGET_AVX512 static void run(int64_t k, const float* a, int64_t ars, int64_t acs, const float* panel,
-                                    int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
+                                    int64_t panel_stride, int64_t cols, float alpha, float beta, float* c,
+                                    int64_t ldc) {
     __m512 acc[MR][V];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
@@ -165,7 +166,7 @@ struct Avx512TileOf {
     }
     for (int64_t p = 0; p < k; ++p) {
       __m512 b[V];
-      for (int v = 0; v < V; ++v) b[v] = _mm512_loadu_ps(panel + p * NR + 16 * v);
+      for (int v = 0; v < V; ++v) b[v] = _mm512_loadu_ps(panel + p * panel_stride + 16 * v);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const __m512 x = _mm512_set1_ps(a[r * ars + p * acs]);
@@ -188,8 +189,8 @@ template <int MR, int V>
 struct Avx512Bf16TileOf {
   static constexpr int NR = 16 * V;
   QKV_TARGET_AVX512_BF16 static void run(int64_t pairs, const uint16_t* a, int64_t ars, int64_t acs,
-                                         const uint16_t* panel, int64_t cols, float alpha, float beta, float* c,
-                                         int64_t ldc) {
+                                         const uint16_t* panel, int64_t panel_stride, int64_t cols, float alpha,
+                                         float beta, float* c, int64_t ldc) {
     __m512 acc[MR][V];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
@@ -197,7 +198,7 @@ struct Avx512Bf16TileOf {
     }
     for (int64_t t = 0; t < pairs; ++t) {
       __m512bh b[V];
-      for (int v = 0; v < V; ++v) b[v] = (__m512bh)_mm512_loadu_si512(panel + t * 2 * NR + 32 * v);
+      for (int v = 0; v < V; ++v) b[v] = (__m512bh)_mm512_loadu_si512(panel + t * panel_stride + 32 * v);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         int32_t pair;
@@ -228,11 +229,12 @@ void tile_of(int rows, Args... args) {
 
 // Every row of A against one panel (columns j0 .. j0 + cols of C), MR rows at a time.
 template <template <int> class Tile, int MR, typename a_t, typename b_t>
-void multiply_panel(const a_t* a, int64_t ars, int64_t acs, int64_t m, const b_t* panel, int64_t steps, int64_t j0,
-                    int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
+void multiply_panel(const a_t* a, int64_t ars, int64_t acs, int64_t m, const b_t* panel, int64_t panel_stride,
+                    int64_t steps, int64_t j0, int64_t cols, float alpha, float beta, float* c, int64_t ldc) {
   for (int64_t i0 = 0; i0 < m; i0 += MR) {
     const int rows = static_cast<int>(std::min<int64_t>(MR, m - i0));
-    tile_of<Tile, MR>(rows, steps, a + i0 * ars, ars, acs, panel, cols, alpha, beta, c + i0 * ldc + j0, ldc);
+    tile_of<Tile, MR>(rows, steps, a + i0 * ars, ars, acs, panel, panel_stride, cols, alpha, beta, c + i0 * ldc + j0,
+                      ldc);
   }
 }
 
@@ -240,20 +242,25 @@ void multiply_panel(const a_t* a, int64_t ars, int64_t acs, int64_t m, const b_t
 // Tile over the panels of the first `wide_columns` columns, TailTile over the narrower last panel
 // past them, if n reaches it (PackedRight::wide_columns; a panel starts at its first column times
 // the values a column holds, whatever its width). `depth` is the panel's rows: k for float32, the
-// pairs for bfloat16; `steps` of them are used.
+// pairs for bfloat16; `steps` of them are used. A borrowed B (row_stride > 0: float32 rows read
+// where they lie, PackedRight::borrow) has its panels side by side in its rows.
 template <template <int> class Tile, int MR, template <int> class TailTile = Tile, int TailMR = MR, typename a_t,
           typename b_t>
 void drive(const a_t* a, int64_t ars, int64_t acs, int64_t m, const b_t* panels, int64_t depth, int64_t steps,
-           int64_t values_per_step, int64_t n, int64_t wide_columns, float alpha, float beta, float* c, int64_t ldc) {
-  constexpr int64_t NR = Tile<1>::NR;
+           int64_t values_per_step, int64_t n, int64_t wide_columns, float alpha, float beta, float* c, int64_t ldc,
+           int64_t row_stride = 0) {
+  constexpr int64_t NR = Tile<1>::NR, TailNR = TailTile<1>::NR;
+  const bool borrowed = row_stride > 0;
+  const auto panel_at = [&](int64_t j0) { return panels + (borrowed ? j0 : j0 * depth * values_per_step); };
   const int64_t wide_end = std::min(n, wide_columns);
   for (int64_t j0 = 0; j0 < wide_end; j0 += NR) {
-    multiply_panel<Tile, MR>(a, ars, acs, m, panels + j0 * depth * values_per_step, steps, j0,
+    multiply_panel<Tile, MR>(a, ars, acs, m, panel_at(j0), borrowed ? row_stride : NR * values_per_step, steps, j0,
                              std::min<int64_t>(NR, wide_end - j0), alpha, beta, c, ldc);
   }
   if (n > wide_columns) {  // at most TailTile's width past them (PackedRight::lay_out)
-    multiply_panel<TailTile, TailMR>(a, ars, acs, m, panels + wide_columns * depth * values_per_step, steps,
-                                     wide_columns, n - wide_columns, alpha, beta, c, ldc);
+    multiply_panel<TailTile, TailMR>(a, ars, acs, m, panel_at(wide_columns),
+                                     borrowed ? row_stride : TailNR * values_per_step, steps, wide_columns,
+                                     n - wide_columns, alpha, beta, c, ldc);
   }
 }
 
@@ -266,18 +273,21 @@ void multiply_float(const float* a, int64_t ars, int64_t acs, int64_t m, const P
     case ProductIsa::Avx512Bf16:
     case ProductIsa::AmxBf16:
       if (b.panel_width() == 16) {
-        drive<Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc);
+        drive<Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc,
+                                    b.borrowed_row_stride());
       } else {
         drive<Avx512Tile, 8, Avx512NarrowTile, 12>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha,
-                                                   beta, c, ldc);
+                                                   beta, c, ldc, b.borrowed_row_stride());
       }
       return;
     case ProductIsa::Avx2:
-      drive<Avx2Tile, 6>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc);
+      drive<Avx2Tile, 6>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc,
+                         b.borrowed_row_stride());
       return;
 #endif
     default:
-      drive<PortableTile, 4>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc);
+      drive<PortableTile, 4>(a, ars, acs, m, b.f32(), depth, k, 1, n, b.wide_columns(), alpha, beta, c, ldc,
+                             b.borrowed_row_stride());
   }
 }
 
@@ -446,6 +456,7 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
   TORCH_CHECK(at_least(detected_isa(), kind.isa), "tiled kernel: ", isa_name(kind.isa),
               " products asked of a CPU with ", isa_name(detected_isa()));
   kind_ = kind, k_ = k, n_ = n;
+  borrowed_ = nullptr, borrowed_row_stride_ = 0;
   const auto at = [&](int64_t p, int64_t j) { return b.data[p * b.row_stride + j * b.col_stride]; };
   if (kind.bf16) {
     const int64_t pairs = (k + 1) / 2;
@@ -523,6 +534,17 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
       }
     }
   }
+}
+
+void PackedRight::borrow(Strided<float> b, int64_t k, int64_t n, ProductKind kind) {
+  if (kind.bf16 || b.col_stride != 1 || n % kNarrowPanelWidth != 0 || b.row_stride < n || k == 0) {
+    return pack(b, k, n, kind);
+  }
+  TORCH_CHECK(at_least(detected_isa(), kind.isa), "tiled kernel: ", isa_name(kind.isa), " products asked of a CPU with ",
+              isa_name(detected_isa()));
+  kind_ = kind, k_ = k, n_ = n, depth_ = 0;
+  lay_out(n, kind, k, true);
+  borrowed_ = b.data, borrowed_row_stride_ = b.row_stride;
 }
 
 int64_t PackedRight::lay_out(int64_t n, ProductKind kind, int64_t values_per_column, bool narrow_tail) {

@@ -58,6 +58,12 @@ class PackedRight {
   /// panels to the caller to fill, whole: every pair up to pair_depth() of every column up to a
   /// multiple of panel_width(), zeros past k and n (softmax_backward_block writes them so).
   PairPanels bf16_panels_to_fill(int64_t k, int64_t n, ProductKind kind);
+  /// Takes b (k × n) where it lies, without packing, where its rows are contiguous float32 values
+  /// (unit column stride) and every panel is whole (n a multiple of 16): the products then read
+  /// each panel's rows row_stride apart. Otherwise packs it. For an operand used by few rows of A
+  /// (a few query rows against a long cache), whose packing cost as much as the products.
+  /// b must outlive the products.
+  void borrow(Strided<float> b, int64_t k, int64_t n, ProductKind kind);
 
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }
@@ -67,7 +73,9 @@ class PackedRight {
   /// n by the narrow last panel (kNarrowPanelWidth columns wide) where there is one.
   int64_t wide_columns() const { return wide_columns_; }
   int64_t pair_depth() const { return depth_; }
-  const float* f32() const { return f32_.data(); }
+  const float* f32() const { return borrowed_ != nullptr ? borrowed_ : f32_.data(); }
+  /// The row stride of a borrowed B; 0 where it is packed.
+  int64_t borrowed_row_stride() const { return borrowed_row_stride_; }
   const uint16_t* bf16() const { return bf16_.data(); }
 
  private:
@@ -83,6 +91,8 @@ class PackedRight {
   int64_t k_ = 0, n_ = 0, panel_ = 0, wide_columns_ = 0, depth_ = 0;
   AlignedVector<float> f32_;  // on cache lines: each panel row and AMX tile starts on one
   AlignedVector<uint16_t> bf16_;
+  const float* borrowed_ = nullptr;
+  int64_t borrowed_row_stride_ = 0;
 };
 
 /// The part of a packed B a product uses: its first k rows and first n columns (-1: all of them).
