@@ -175,8 +175,9 @@ void row_dots(const c10::Half* a, int64_t a_stride, const c10::Half* b, int64_t 
 /// out[r · out_stride + j] <- Σ_d x[r][d] · rows[j · row_stride + d] for r < x_count, j < count,
 /// d < n, in float32 (values widened exactly): a few query rows' scores against a block of key rows
 /// (the forward's rows by dot products, kernel.h). On AVX-512, 4 query rows at a time against 4
-/// keys at a time (each key row read once for the 4), a single row against 16 keys at a time; the
-/// sums of a tile reduced together. Elsewhere one query row at a time.
+/// keys at a time (each key row read once for the 4), a single row against 16 keys at a time; on
+/// AVX2, 4 rows against 2 keys (or 2 against 4), a single row against 8; the sums of a tile reduced
+/// together. The portable path takes one query row at a time.
 void dots_with_rows(const float* const* x, int64_t x_count, const float* rows, int64_t row_stride, int64_t count,
                     int64_t n, float* out, int64_t out_stride);
 void dots_with_rows(const uint16_t* const* x, int64_t x_count, const uint16_t* rows, int64_t row_stride,
@@ -187,8 +188,8 @@ void dots_with_rows(const c10::Half* const* x, int64_t x_count, const c10::Half*
 /// acc[r · acc_stride + d] += Σ_j weights[r · weight_stride + j] · x[j · x_stride + d] for
 /// r < weight_rows, d < n, j < count, the rows of x widened exactly to float32: a few query rows'
 /// weighted values without packing V (the forward's rows by dot products, kernel.h). Each acc
-/// value sums its terms in the order of j. On AVX-512, 4 query rows at a time (each value row read
-/// once for the 4).
+/// value sums its terms in the order of j. On AVX-512 and AVX2, 4 query rows at a time (each value
+/// row read once for the 4).
 void add_weighted_rows(const float* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
                        int64_t weight_stride, int64_t weight_rows, float* acc, int64_t acc_stride);
 void add_weighted_rows(const uint16_t* x, int64_t x_stride, int64_t count, int64_t n, const float* weights,
