@@ -561,6 +561,7 @@ PairPanels PackedRight::bf16_panels_to_fill(int64_t k, int64_t n, ProductKind ki
               "tiled kernel: bfloat16 panels asked for ", isa_name(kind.isa), " products on a CPU with ",
               isa_name(detected_isa()));
   kind_ = kind, k_ = k, n_ = n;
+  borrowed_ = nullptr, borrowed_row_stride_ = 0;
   const int64_t pairs = (k + 1) / 2;
   depth_ = kind.isa == ProductIsa::AmxBf16 ? (pairs + amx::kPairsPerTile - 1) / amx::kPairsPerTile * amx::kPairsPerTile
                                            : pairs;
