@@ -69,14 +69,13 @@ ProductKind product_kind() {
 template <typename scalar_t>
 class RightOperand {
  public:
-  void prepare(Strided<scalar_t> b, int64_t k, int64_t n) { packed_.pack(b, k, n, product_kind<scalar_t>()); }
-  /// As prepare, but float32 rows are read where they lie where they can be (PackedRight::borrow).
-  void prepare_borrowed(Strided<scalar_t> b, int64_t k, int64_t n) {
+  /// Packs b; with `borrow`, float32 rows are read where they lie where they can be
+  /// (PackedRight::borrow).
+  void prepare(Strided<scalar_t> b, int64_t k, int64_t n, bool borrow = false) {
     if constexpr (std::is_same_v<scalar_t, float>) {
-      packed_.borrow(b, k, n, product_kind<scalar_t>());
-    } else {
-      prepare(b, k, n);
+      if (borrow) return packed_.borrow(b, k, n, product_kind<scalar_t>());
     }
+    packed_.pack(b, k, n, product_kind<scalar_t>());
   }
   template <typename a_t>
   void multiply_into(Strided<a_t> a, int64_t m, float alpha, float beta, float* c, int64_t ldc,
@@ -91,8 +90,8 @@ class RightOperand {
 template <>
 class RightOperand<double> {
  public:
-  void prepare(Strided<double> b, int64_t k, int64_t n) { b_ = b, k_ = k, n_ = n; }
-  void prepare_borrowed(Strided<double> b, int64_t k, int64_t n) { prepare(b, k, n); }  // read where it lies anyway
+  // Read where it lies always (BLAS packs it), so `borrow` changes nothing.
+  void prepare(Strided<double> b, int64_t k, int64_t n, bool /*borrow*/ = false) { b_ = b, k_ = k, n_ = n; }
   void multiply_into(Strided<double> a, int64_t m, double alpha, double beta, double* c, int64_t ldc,
                      Leading part = {}) const {
     const int64_t k = part.k < 0 ? k_ : part.k, n = part.n < 0 ? n_ : part.n;

@@ -62,12 +62,7 @@ class PackedHead {
       int64_t cols) {
     if (!packed_[block]) {
       keys_[block].prepare({k.rows(b_, kv_head_, j0), 1, k.stride_row}, p.D, cols);
-      const Strided<scalar_t> values{v.rows(b_, kv_head_, j0), v.stride_row, 1};
-      if (borrow_values_) {
-        values_[block].prepare_borrowed(values, cols, p.Dv);
-      } else {
-        values_[block].prepare(values, cols, p.Dv);
-      }
+      values_[block].prepare({v.rows(b_, kv_head_, j0), v.stride_row, 1}, cols, p.Dv, borrow_values_);
       packed_[block] = true;
     }
     return {&keys_[block], &values_[block]};

@@ -453,10 +453,7 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
               "tiled kernel: bfloat16 products need AVX512_BF16 or AMX-BF16, asked of ", isa_name(kind.isa));
   TORCH_CHECK(!(kind.bf16 && std::is_same_v<T, c10::Half>),
               "tiled kernel: float16 blocks multiply as float32, not in bfloat16");
-  TORCH_CHECK(at_least(detected_isa(), kind.isa), "tiled kernel: ", isa_name(kind.isa),
-              " products asked of a CPU with ", isa_name(detected_isa()));
-  kind_ = kind, k_ = k, n_ = n;
-  borrowed_ = nullptr, borrowed_row_stride_ = 0;
+  take_shape(k, n, kind);
   const auto at = [&](int64_t p, int64_t j) { return b.data[p * b.row_stride + j * b.col_stride]; };
   if (kind.bf16) {
     const int64_t pairs = (k + 1) / 2;
@@ -506,7 +503,7 @@ void PackedRight::pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind)
   depth_ = 0;
   f32_.resize(static_cast<size_t>(lay_out(n, kind, k, true)));
   if constexpr (std::is_same_v<T, float>) {
-    if (b.col_stride == 1 && wide_columns_ == n && n % panel_ == 0) {
+    if (b.col_stride == 1 && wide_columns_ == n) {  // every panel whole
       if (panel_ == 16) return copy_rows_to_panels<16>(b.data, b.row_stride, k, n / 16, f32_.data());
       if (panel_ == 32) return copy_rows_to_panels<32>(b.data, b.row_stride, k, n / 32, f32_.data());
     }
@@ -540,11 +537,17 @@ void PackedRight::borrow(Strided<float> b, int64_t k, int64_t n, ProductKind kin
   if (kind.bf16 || b.col_stride != 1 || n % kNarrowPanelWidth != 0 || b.row_stride < n || k == 0) {
     return pack(b, k, n, kind);
   }
-  TORCH_CHECK(at_least(detected_isa(), kind.isa), "tiled kernel: ", isa_name(kind.isa), " products asked of a CPU with ",
-              isa_name(detected_isa()));
-  kind_ = kind, k_ = k, n_ = n, depth_ = 0;
+  take_shape(k, n, kind);
+  depth_ = 0;
   lay_out(n, kind, k, true);
   borrowed_ = b.data, borrowed_row_stride_ = b.row_stride;
+}
+
+void PackedRight::take_shape(int64_t k, int64_t n, ProductKind kind) {
+  TORCH_CHECK(at_least(detected_isa(), kind.isa), "tiled kernel: ", isa_name(kind.isa),
+              " products asked of a CPU with ", isa_name(detected_isa()));
+  kind_ = kind, k_ = k, n_ = n;
+  borrowed_ = nullptr, borrowed_row_stride_ = 0;
 }
 
 int64_t PackedRight::lay_out(int64_t n, ProductKind kind, int64_t values_per_column, bool narrow_tail) {
@@ -560,8 +563,7 @@ PairPanels PackedRight::bf16_panels_to_fill(int64_t k, int64_t n, ProductKind ki
   TORCH_CHECK(kind.bf16 && at_least(kind.isa, ProductIsa::Avx512Bf16) && at_least(detected_isa(), kind.isa),
               "tiled kernel: bfloat16 panels asked for ", isa_name(kind.isa), " products on a CPU with ",
               isa_name(detected_isa()));
-  kind_ = kind, k_ = k, n_ = n;
-  borrowed_ = nullptr, borrowed_row_stride_ = 0;
+  take_shape(k, n, kind);
   const int64_t pairs = (k + 1) / 2;
   depth_ = kind.isa == ProductIsa::AmxBf16 ? (pairs + amx::kPairsPerTile - 1) / amx::kPairsPerTile * amx::kPairsPerTile
                                            : pairs;

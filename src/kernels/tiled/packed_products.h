@@ -81,6 +81,9 @@ class PackedRight {
  private:
   template <typename T>
   void pack_any(Strided<T> b, int64_t k, int64_t n, ProductKind kind);
+  // The operand's shape and kind, no borrowed rows (every way of filling it starts here); refuses an
+  // instruction set this CPU lacks.
+  void take_shape(int64_t k, int64_t n, ProductKind kind);
 
   ProductKind kind_;
   // Lays out panels for `kind` (panel_, wide_columns_); returns the values the panels hold.

@@ -1110,6 +1110,24 @@ inline void prefetch_values(const T* x, int64_t ahead_bytes, int64_t n) {
   }
 }
 
+// The rows of a tile of several query rows against several keys (dots_of_rows_avx512 and _avx2):
+// kRows query rows, x's first x_count with the last one repeated to fill the tile.
+template <int kRows, typename T>
+inline void tile_query_rows(const T* const* x, int64_t x_count, const T* (&query)[kRows]) {
+  for (int64_t r = 0; r < kRows; ++r) query[r] = x[std::min<int64_t>(r, x_count - 1)];
+}
+
+// And kKeys key rows from row j0 on (`keys` of them real, the last one repeated), each asked for
+// `ahead` bytes ahead (prefetch_distance).
+template <int kKeys, typename T>
+inline void tile_key_rows(const T* rows, int64_t row_stride, int64_t j0, int64_t keys, int64_t ahead, int64_t n,
+                          const T* (&key)[kKeys]) {
+  for (int64_t c = 0; c < kKeys; ++c) {
+    key[c] = rows + (j0 + std::min<int64_t>(c, keys - 1)) * row_stride;
+    prefetch_values(key[c], ahead, n);
+  }
+}
+
 // add_weighted_rows: 64 columns of acc at a time in four registers, every row added into them
 // before they are stored (V's rows are read once per 64 columns, acc once).
 #if defined(__x86_64__)
@@ -1226,15 +1244,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dots_of_rows_avx512(co
   static_assert(kRows == 2 || kRows == 4, "tiles of 2 × 8 or 4 × 4");
   constexpr int kKeys = 16 / kRows;
   const T* query[kRows];
-  for (int64_t r = 0; r < kRows; ++r) query[r] = x[std::min<int64_t>(r, x_count - 1)];
+  tile_query_rows(x, x_count, query);
   const int64_t ahead = prefetch_distance<T>(n, row_stride);
   for (int64_t j0 = 0; j0 < count; j0 += kKeys) {
     const int64_t keys = std::min<int64_t>(kKeys, count - j0);
     const T* key[kKeys];
-    for (int64_t c = 0; c < kKeys; ++c) {
-      key[c] = rows + (j0 + std::min<int64_t>(c, keys - 1)) * row_stride;
-      prefetch_values(key[c], ahead, n);
-    }
+    tile_key_rows(rows, row_stride, j0, keys, ahead, n, key);
     __m512 acc[16];
     for (auto& a : acc) a = _mm512_setzero_ps();
     for (int64_t d0 = 0; d0 < n; d0 += 16) {
@@ -1355,17 +1370,14 @@ __attribute__((target("avx2,fma,f16c"))) void dots_of_rows_avx2(const T* const* 
   static_assert(kRows == 2 || kRows == 4, "tiles of 2 × 4 or 4 × 2");
   constexpr int kKeys = 8 / kRows;
   const T* query[kRows];
-  for (int64_t r = 0; r < kRows; ++r) query[r] = x[std::min<int64_t>(r, x_count - 1)];
+  tile_query_rows(x, x_count, query);
   const int64_t stored_rows = std::min<int64_t>(kRows, x_count);
   const int64_t ahead = prefetch_distance<T>(n, row_stride);
   const int64_t whole = n - n % 8;
   for (int64_t j0 = 0; j0 < count; j0 += kKeys) {
     const int64_t keys = std::min<int64_t>(kKeys, count - j0);
     const T* key[kKeys];
-    for (int64_t c = 0; c < kKeys; ++c) {
-      key[c] = rows + (j0 + std::min<int64_t>(c, keys - 1)) * row_stride;
-      prefetch_values(key[c], ahead, n);
-    }
+    tile_key_rows(rows, row_stride, j0, keys, ahead, n, key);
     __m256 acc[8];
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (int64_t d0 = 0; d0 < whole; d0 += 8) {
