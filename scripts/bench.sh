@@ -10,7 +10,8 @@
 # whose python3-torch runs in a chroot (scripts/test-in-debian.sh), e.g. --pytorch host
 # --pytorch trixie --pytorch sid times PyTorch 1.13, 2.6 and the newest in the same run; --pytorch
 # none times qkv alone (its bfloat16 cases against its float32 ones, the second table).
-# Both sides run with qkv-train's malloc setting (below); --malloc-defaults runs both at glibc's.
+# Both sides run with qkv-train's malloc thresholds and huge pages above them (bench_env.sh);
+# --malloc-defaults runs both at glibc's.
 # --emulate: both sides on this CPU made to look like one without bfloat16 instructions
 # (scripts/bench_env.sh), for bfloat16 cases against float32 on such CPUs.
 set -euo pipefail

@@ -63,10 +63,17 @@ use_fitting_openblas_core() {
 # qkv-train leaves malloc as the environment sets it), the same for each, so that a table compares
 # the arithmetic rather than the page faults. Where the environment sets malloc's thresholds
 # itself, both sides run with the environment's.
+# Blocks above 32 MiB (the largest threshold glibc takes) are still mapped afresh on every
+# allocation, 4 KiB page by page; glibc.malloc.hugetlb=1 asks the kernel for transparent huge pages
+# there (where /sys/kernel/mm/transparent_hugepage/enabled says madvise or always), 2 MiB a fault.
+# On the AMD EPYC Zen 5 VM, 2026-12-08 (qkv-bench, interleaved runs): the learned (1, 8, 1024, 1024)
+# bias's case, whose 32 MiB gradient is such a block, 74-90 -> 25 ms; the N=512 bias 36 -> 33, the
+# medium module step 42-44 -> 40-42, the other cores within 3%. Given to both sides with the
+# thresholds (README.md, "The allocator", says how a program sets it).
 use_same_malloc_setting() {
   if [[ "${GLIBC_TUNABLES:-}" != *glibc.malloc.* && -z "${MALLOC_MMAP_THRESHOLD_:-}" &&
         -z "${MALLOC_TRIM_THRESHOLD_:-}" ]]; then
-    export GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456
+    export GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456:glibc.malloc.hugetlb=1
   fi
 }
 

@@ -41,7 +41,8 @@ nlohmann::json python_seed_example() {
 // qkv-train's allocator setting (apps/common/cli_support.h): from glibc's own first threshold
 // (128 KiB, fixed here so that earlier tests' frees do not raise it), a 16 MiB block is served
 // from the heap, not by a fresh mapping (mallinfo2's hblks counts mapped blocks), and stays in the
-// heap once freed; with a threshold in the environment it leaves malloc alone.
+// heap once freed; with a threshold in the environment (a variable or a tunable) it leaves malloc
+// alone, and with another malloc tunable only (huge pages) it does not.
 TEST(TrainApp, FreedMemoryStaysInTheHeapForTheNextStep) {
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || __GLIBC_MINOR__ >= 33)
   if (std::getenv("GLIBC_TUNABLES") != nullptr || std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
@@ -51,9 +52,23 @@ TEST(TrainApp, FreedMemoryStaysInTheHeapForTheNextStep) {
   ASSERT_EQ(setenv("MALLOC_MMAP_THRESHOLD_", "131072", 1), 0);
   EXPECT_FALSE(qkv_cli::keep_freed_memory_for_reuse());
   ASSERT_EQ(unsetenv("MALLOC_MMAP_THRESHOLD_"), 0);
+  for (const char* threshold :
+       {"glibc.malloc.mmap_threshold=131072", "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=0"}) {
+    ASSERT_EQ(setenv("GLIBC_TUNABLES", threshold, 1), 0);
+    EXPECT_FALSE(qkv_cli::keep_freed_memory_for_reuse()) << threshold;
+  }
 
   // AddressSanitizer's malloc takes no options (its mallopt returns 0): nothing to check there.
-  if (mallopt(M_MMAP_THRESHOLD, 128 << 10) != 1) GTEST_SKIP() << "malloc is not glibc's (a sanitizer's?)";
+  if (mallopt(M_MMAP_THRESHOLD, 128 << 10) != 1) {
+    unsetenv("GLIBC_TUNABLES");
+    GTEST_SKIP() << "malloc is not glibc's (a sanitizer's?)";
+  }
+  // Read at the process's start, so setting it here changes only what keep_freed_memory_for_reuse reads.
+  ASSERT_EQ(setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1", 1), 0);
+  const bool with_huge_pages_only = qkv_cli::keep_freed_memory_for_reuse();
+  ASSERT_EQ(unsetenv("GLIBC_TUNABLES"), 0);
+  EXPECT_TRUE(with_huge_pages_only) << "a huge-page tunable alone turned the thresholds off";
+  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 128 << 10), 1);
   ASSERT_TRUE(qkv_cli::keep_freed_memory_for_reuse());
   constexpr size_t kBlock = 16 << 20;
   const auto before = mallinfo2();

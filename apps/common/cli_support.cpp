@@ -73,9 +73,12 @@ torch::ScalarType dtype_from_name(const std::string& name) {
 
 bool keep_freed_memory_for_reuse() {
 #if defined(__GLIBC__)
+  // The thresholds as the environment may set them; other malloc tunables (glibc.malloc.hugetlb,
+  // say) leave them to this.
   const char* tunables = std::getenv("GLIBC_TUNABLES");
   if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr || std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr ||
-      (tunables != nullptr && std::strstr(tunables, "glibc.malloc.") != nullptr)) {
+      (tunables != nullptr && (std::strstr(tunables, "glibc.malloc.mmap_threshold") != nullptr ||
+                               std::strstr(tunables, "glibc.malloc.trim_threshold") != nullptr))) {
     return false;
   }
   constexpr int kMmapThreshold = 32 << 20;  // glibc's largest dynamic threshold on 64-bit

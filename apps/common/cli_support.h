@@ -41,8 +41,11 @@ torch::ScalarType dtype_from_name(const std::string& name);  // throws std::inva
 /// a threshold of 32 MiB and a trim threshold of 256 MiB, as GLIBC_TUNABLES
 /// `glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456` would: freed blocks
 /// stay in the heap for the next step (memory is kept at the peak, as PyTorch's CUDA caching
-/// allocator keeps it). Leaves malloc as it is where the environment sets either (MALLOC_MMAP_THRESHOLD_,
-/// MALLOC_TRIM_THRESHOLD_, or a glibc.malloc tunable) and where the C library is not glibc.
+/// allocator keeps it). Leaves malloc as it is where the environment sets either threshold
+/// (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, glibc.malloc.mmap_threshold or
+/// glibc.malloc.trim_threshold; another malloc tunable beside them, such as glibc.malloc.hugetlb=1,
+/// does not count) and where the C library is not glibc. Blocks above 32 MiB are still mapped
+/// afresh, which no mallopt setting changes; README.md ("The allocator") says what helps them.
 /// Returns whether it changed anything. For programs, not for the library (qkv never changes
 /// its host's allocator).
 bool keep_freed_memory_for_reuse();
