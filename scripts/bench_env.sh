@@ -71,10 +71,13 @@ use_fitting_openblas_core() {
 # medium module step 42-44 -> 40-42, the other cores within 3%. Given to both sides with the
 # thresholds (README.md, "The allocator", says how a program sets it).
 use_same_malloc_setting() {
-  if [[ "${GLIBC_TUNABLES:-}" != *glibc.malloc.* && -z "${MALLOC_MMAP_THRESHOLD_:-}" &&
-        -z "${MALLOC_TRIM_THRESHOLD_:-}" ]]; then
-    export GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456:glibc.malloc.hugetlb=1
+  # The thresholds unless the environment sets one (as qkv-train decides), the huge pages unless it
+  # sets them: a hugetlb tunable alone leaves the thresholds to this, as it does in qkv-train.
+  if [[ "${GLIBC_TUNABLES:-}" != *glibc.malloc.mmap_threshold* && "${GLIBC_TUNABLES:-}" != *glibc.malloc.trim_threshold* &&
+        -z "${MALLOC_MMAP_THRESHOLD_:-}" && -z "${MALLOC_TRIM_THRESHOLD_:-}" ]]; then
+    export GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456
   fi
+  [[ "${GLIBC_TUNABLES:-}" == *glibc.malloc.hugetlb* ]] || export GLIBC_TUNABLES=${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1
 }
 
 # This CPU made to look like one without some of its instructions, for the figures of a kind of CPU
